@@ -1,0 +1,74 @@
+# mmpack developer commands. `make test` and `make demo` work on a fresh machine:
+# each creates the virtual environment and installs what it needs from this repo's files.
+.DEFAULT_GOAL := test
+SHELL := /bin/bash
+
+VENV ?= .venv
+PY := $(VENV)/bin/python
+export VIRTUAL_ENV := $(abspath $(VENV))
+export PATH := $(abspath $(VENV))/bin:$(PATH)
+PROFILE ?= ci
+DEPS_STAMP := $(VENV)/.mmpack-deps
+# The pyo3 crate reads this to find the interpreter when `cargo` builds the bindings.
+export PYO3_PYTHON := $(abspath $(PY))
+
+$(DEPS_STAMP): pyproject.toml
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q -U 'pip>=25.1'
+	$(PY) -m pip install -q --group test --group lint
+	@touch $(DEPS_STAMP)
+
+.PHONY: venv
+venv: $(DEPS_STAMP)
+
+.PHONY: build
+build: venv  ## build the extension into the venv with the fast optimised profile (overflow checks on)
+	maturin develop --profile $(PROFILE) --locked -q
+
+.PHONY: build-release
+build-release: venv
+	maturin develop --release --locked -q
+
+.PHONY: test-rust
+test-rust:
+	cargo test -p mmpack-core --profile $(PROFILE) --locked
+
+.PHONY: test-python
+test-python: build
+	$(PY) -m pytest -q
+
+.PHONY: lint
+lint: venv
+	ruff check python tests benches
+	ruff format --check python tests benches
+	$(PY) -m mypy
+	$(PY) -m mypy.stubtest mmpack._native --allowlist .stubtest-allowlist
+
+.PHONY: test
+test: test-rust test-python lint  ## everything CI runs
+
+.PHONY: demo
+demo: build-release  ## the main job
+	$(PY) -m mmpack demo
+
+.PHONY: bench
+bench: build-release  ## every benchmark, side by side with the plain-Python references
+	@for b in benches/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+
+.PHONY: wheel
+wheel: venv  ## release wheel (fat LTO) into dist/, installed into a fresh venv and imported
+	maturin build --release --locked --out dist
+	rm -rf $(VENV)-wheel && python3 -m venv $(VENV)-wheel
+	$(VENV)-wheel/bin/pip install -q numpy
+	$(VENV)-wheel/bin/pip install -q --no-deps --force-reinstall dist/mmpack-*.whl
+	cd / && $(abspath $(VENV))-wheel/bin/python -c "import mmpack, mmpack.packing; print('mmpack', mmpack.__version__, 'imports from', mmpack.__file__)"
+
+.PHONY: fmt
+fmt: venv
+	cargo fmt --all
+	ruff format python tests benches
+	ruff check --fix python tests benches
+
+.PHONY: clean
+clean:
+	rm -rf target dist $(VENV)-wheel

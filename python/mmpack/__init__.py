@@ -1,0 +1,25 @@
+"""mmpack: deduplicated multimodal media and packed token sequences, with a Rust core.
+
+Submodules: ``mmpack.packing``, ``mmpack.masks``, ``mmpack.batch``, ``mmpack.payload``,
+``mmpack.energon``, ``mmpack.compat.nemo_rl``. ``PackedTensor`` needs torch and is
+imported on first use, so packing and masks work with numpy alone.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from mmpack._native import __version__
+
+if TYPE_CHECKING:
+    from mmpack.packed import PackedTensor
+
+__all__ = ["PackedTensor", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name == "PackedTensor":
+        from mmpack.packed import PackedTensor
+
+        return PackedTensor
+    raise AttributeError(f"module 'mmpack' has no attribute {name!r}")

@@ -1,0 +1,5 @@
+import sys
+
+from mmpack.cli import main
+
+sys.exit(main())

@@ -1,0 +1,1 @@
+"""``mmpack pack-stats``: placeholder until the packing CLI lands."""

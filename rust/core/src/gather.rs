@@ -1,0 +1,1 @@
+//! Byte-level gather of segments into one output buffer (parallel memcpy).

@@ -1,0 +1,1 @@
+//! Provenance: 128-bit ids and the interning table (first occurrence wins, deterministic order).

@@ -1,0 +1,13 @@
+//! mmpack-core: the pure-Rust core of mmpack. No Python here: plain slices in,
+//! `Vec`s and `Result<_, CoreError>` out. The `mmpack-py` crate binds it.
+#![forbid(unsafe_code)]
+
+pub mod batch;
+pub mod csr;
+pub mod error;
+pub mod gather;
+pub mod intern;
+pub mod mask;
+pub mod packing;
+
+pub use error::{CoreError, CoreResult};

@@ -1,0 +1,1 @@
+//! Loss-mask derivation from role / fragment spans, validation, turn-marker parsing.

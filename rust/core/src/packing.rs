@@ -1,0 +1,1 @@
+//! Bin-packing algorithms and constraints.

@@ -1,0 +1,36 @@
+"""Shared test setup: hypothesis profiles and a guard that fails any test raising a Rust panic."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from hypothesis import HealthCheck, settings
+
+settings.register_profile(
+    "fast", max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.register_profile(
+    "ci", max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.register_profile(
+    "slow", max_examples=2000, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+)
+settings.load_profile(os.environ.get("MMPACK_HYPOTHESIS_PROFILE", "ci"))
+
+
+def _is_panic(exc: BaseException | None) -> bool:
+    while exc is not None:
+        if type(exc).__name__ == "PanicException":
+            return True
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item):  # type: ignore[no-untyped-def]
+    outcome = yield
+    excinfo = outcome.excinfo
+    if excinfo is not None and _is_panic(excinfo[1]):
+        pytest.fail(f"a Rust panic reached Python in {item.nodeid}: {excinfo[1]!r}")
+
