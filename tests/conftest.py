@@ -33,4 +33,3 @@ def pytest_runtest_call(item: pytest.Item):  # type: ignore[no-untyped-def]
     excinfo = outcome.excinfo
     if excinfo is not None and _is_panic(excinfo[1]):
         pytest.fail(f"a Rust panic reached Python in {item.nodeid}: {excinfo[1]!r}")
-

@@ -7,12 +7,15 @@ import argparse
 import importlib
 
 _PIPELINES = {"sft": "mmpack.demos.sft", "rl": "mmpack.demos.rl"}
-DEFAULT_PIPELINE = "rl"
+DEFAULT_PIPELINE = "sft"
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "pipeline", nargs="?", choices=sorted(_PIPELINES), default=DEFAULT_PIPELINE,
+        "pipeline",
+        nargs="?",
+        choices=sorted(_PIPELINES),
+        default=DEFAULT_PIPELINE,
         help=f"which pipeline to run (default: {DEFAULT_PIPELINE})",
     )
     parser.add_argument(

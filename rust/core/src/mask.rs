@@ -1,1 +1,379 @@
 //! Loss-mask derivation from role / fragment spans, validation, turn-marker parsing.
+//!
+//! A loss mask has one entry per token: 1 where the token is a training target, 0 elsewhere.
+//! Masks arrive in whatever dtype the caller has (`bool`, integers, floats), so they are read
+//! through [`MaskView`] and validated without being cast first: a cast would hide a `2` or a
+//! `-1` (wrapping or truncating it into a legal value).
+use crate::error::{CoreError, CoreResult};
+
+/// A borrowed 1-D loss mask in its original dtype. `U8` also carries `bool` masks.
+#[derive(Debug, Clone, Copy)]
+pub enum MaskView<'a> {
+    Bool(&'a [bool]),
+    U8(&'a [u8]),
+    I8(&'a [i8]),
+    I32(&'a [i32]),
+    I64(&'a [i64]),
+    F32(&'a [f32]),
+    F64(&'a [f64]),
+}
+
+/// Elements are checked in chunks: a branch-free OR over the chunk (which vectorises), and only
+/// a chunk that contains a bad value is scanned again for its first position.
+const CHUNK: usize = 4096;
+
+/// Scan of one mask: the first value outside {0, 1} (position and value as text) and whether
+/// any value is 1.
+struct Scan {
+    first_bad: Option<(usize, String)>,
+    any_one: bool,
+}
+
+macro_rules! scan_int {
+    ($slice:expr, $unsigned:ty) => {{
+        let s = $slice;
+        let mut any_one = false;
+        let mut first_bad = None;
+        let mut base = 0usize;
+        for chunk in s.chunks(CHUNK) {
+            // Reinterpreted as unsigned, a value is legal iff no bit but the lowest is set, so
+            // one OR over the chunk answers both questions (one vector op per element).
+            #[allow(clippy::cast_sign_loss)]
+            let acc = chunk
+                .iter()
+                .fold(0 as $unsigned, |a, &v| a | (v as $unsigned));
+            any_one |= acc & 1 != 0;
+            let bad = acc & !1;
+            if bad != 0 {
+                #[allow(clippy::cast_sign_loss)]
+                if let Some(i) = chunk.iter().position(|&v| (v as $unsigned) > 1) {
+                    first_bad = chunk.get(i).map(|v| (base + i, v.to_string()));
+                }
+                break;
+            }
+            base += chunk.len();
+        }
+        Scan { first_bad, any_one }
+    }};
+}
+
+macro_rules! scan_float {
+    ($slice:expr) => {{
+        let s = $slice;
+        let mut any_one = false;
+        let mut first_bad = None;
+        let mut base = 0usize;
+        for chunk in s.chunks(CHUNK) {
+            let (bad, ones) = chunk.iter().fold((false, false), |(b, o), &v| {
+                (b | ((v != 0.0) & (v != 1.0)), o | (v == 1.0))
+            });
+            any_one |= ones;
+            if bad {
+                if let Some(i) = chunk.iter().position(|&v| v != 0.0 && v != 1.0) {
+                    first_bad = chunk.get(i).map(|v| (base + i, v.to_string()));
+                }
+                break;
+            }
+            base += chunk.len();
+        }
+        Scan { first_bad, any_one }
+    }};
+}
+
+impl MaskView<'_> {
+    #[must_use]
+    pub fn len(&self) -> usize {
+        match self {
+            Self::Bool(s) => s.len(),
+            Self::U8(s) => s.len(),
+            Self::I8(s) => s.len(),
+            Self::I32(s) => s.len(),
+            Self::I64(s) => s.len(),
+            Self::F32(s) => s.len(),
+            Self::F64(s) => s.len(),
+        }
+    }
+
+    #[must_use]
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn scan(&self) -> Scan {
+        match *self {
+            Self::Bool(s) => Scan {
+                first_bad: None,
+                any_one: s.contains(&true),
+            },
+            Self::U8(s) => scan_int!(s, u8),
+            Self::I8(s) => scan_int!(s, u8),
+            Self::I32(s) => scan_int!(s, u32),
+            Self::I64(s) => scan_int!(s, u64),
+            Self::F32(s) => scan_float!(s),
+            Self::F64(s) => scan_float!(s),
+        }
+    }
+
+    /// Append the mask as booleans. Call only after [`validate`] accepted it.
+    fn extend_bools(&self, out: &mut Vec<bool>) {
+        match *self {
+            Self::Bool(s) => out.extend_from_slice(s),
+            Self::U8(s) => out.extend(s.iter().map(|&v| v != 0)),
+            Self::I8(s) => out.extend(s.iter().map(|&v| v != 0)),
+            Self::I32(s) => out.extend(s.iter().map(|&v| v != 0)),
+            Self::I64(s) => out.extend(s.iter().map(|&v| v != 0)),
+            Self::F32(s) => out.extend(s.iter().map(|&v| v != 0.0)),
+            Self::F64(s) => out.extend(s.iter().map(|&v| v != 0.0)),
+        }
+    }
+}
+
+/// Check a loss mask: its length equals `num_tokens`, every value is 0 or 1, and (when
+/// `require_trainable`) at least one value is 1. `sample` names the sample in the error.
+///
+/// # Errors
+/// `MaskLength`, `MaskValue` (with the first bad position) or `MaskNoTrainable`.
+pub fn validate(
+    mask: MaskView<'_>,
+    num_tokens: usize,
+    require_trainable: bool,
+    sample: &str,
+) -> CoreResult<()> {
+    if mask.len() != num_tokens {
+        return Err(CoreError::MaskLength {
+            sample: sample.to_owned(),
+            expected: num_tokens,
+            actual: mask.len(),
+        });
+    }
+    let scan = mask.scan();
+    if let Some((position, value)) = scan.first_bad {
+        return Err(CoreError::MaskValue {
+            sample: sample.to_owned(),
+            position,
+            value,
+        });
+    }
+    if require_trainable && !scan.any_one {
+        return Err(CoreError::MaskNoTrainable {
+            sample: sample.to_owned(),
+        });
+    }
+    Ok(())
+}
+
+/// Append a validated mask to `out` as booleans.
+///
+/// # Errors
+/// As [`validate`].
+pub fn extend_validated(
+    mask: MaskView<'_>,
+    num_tokens: usize,
+    sample: &str,
+    out: &mut Vec<bool>,
+) -> CoreResult<()> {
+    validate(mask, num_tokens, false, sample)?;
+    mask.extend_bools(out);
+    Ok(())
+}
+
+/// Append the mask of consecutive spans to `out`: span `i` has `lengths[i]` tokens, all set to
+/// `trainable[i]`. When `num_tokens` is given, the lengths must sum to it.
+///
+/// # Errors
+/// `SpanMismatch` when the two arrays differ in length, a length is negative, or the lengths do
+/// not sum to `num_tokens`; `IndexOverflow` when the sum overflows.
+pub fn extend_from_spans(
+    lengths: &[i64],
+    trainable: &[bool],
+    num_tokens: Option<usize>,
+    sample: &str,
+    what: &'static str,
+    out: &mut Vec<bool>,
+) -> CoreResult<()> {
+    if lengths.len() != trainable.len() {
+        return Err(CoreError::SpanMismatch {
+            sample: sample.to_owned(),
+            detail: format!(
+                "{} {what} lengths but {} {}",
+                lengths.len(),
+                trainable.len(),
+                if what == "message" {
+                    "roles"
+                } else {
+                    "trainable flags"
+                }
+            ),
+        });
+    }
+    let mut total: usize = 0;
+    for (i, &len) in lengths.iter().enumerate() {
+        let n = usize::try_from(len).map_err(|_| CoreError::SpanMismatch {
+            sample: sample.to_owned(),
+            detail: format!("{what} {i} has negative length {len}"),
+        })?;
+        total = total.checked_add(n).ok_or(CoreError::IndexOverflow {
+            what: "span lengths",
+        })?;
+    }
+    if let Some(expected) = num_tokens {
+        if total != expected {
+            return Err(CoreError::SpanMismatch {
+                sample: sample.to_owned(),
+                detail: format!(
+                    "{what} lengths sum to {total} but the sample has {expected} tokens"
+                ),
+            });
+        }
+    }
+    out.reserve(total);
+    for (&len, &flag) in lengths.iter().zip(trainable) {
+        // Checked above: every length is non-negative and the sum fits.
+        let n = usize::try_from(len).unwrap_or(0);
+        out.extend(std::iter::repeat_n(flag, n));
+    }
+    Ok(())
+}
+
+/// Which messages are trained on: `roles[i]` is one of `train_roles` (exact, case-sensitive
+/// match).
+#[must_use]
+pub fn trainable_roles<R: AsRef<str>, T: AsRef<str>>(roles: &[R], train_roles: &[T]) -> Vec<bool> {
+    roles
+        .iter()
+        .map(|r| train_roles.iter().any(|t| t.as_ref() == r.as_ref()))
+        .collect()
+}
+
+/// Mask from message roles: message `i` has `lengths[i]` tokens and is trained on when its
+/// role is in `train_roles`.
+///
+/// # Errors
+/// As [`extend_from_spans`].
+pub fn from_roles<R: AsRef<str>, T: AsRef<str>>(
+    lengths: &[i64],
+    roles: &[R],
+    train_roles: &[T],
+    num_tokens: Option<usize>,
+    sample: &str,
+) -> CoreResult<Vec<bool>> {
+    let trainable = trainable_roles(roles, train_roles);
+    let mut out = Vec::new();
+    extend_from_spans(lengths, &trainable, num_tokens, sample, "message", &mut out)?;
+    Ok(out)
+}
+
+/// Turn spans from marker tokens. Every position whose token is in `markers` starts a turn;
+/// turns alternate user, assistant, user, assistant, ... and must come in pairs.
+///
+/// Returns one row `[user_start, user_end, assistant_start, assistant_end]` per pair, half-open,
+/// where `user_start` is the user marker's position, `user_end == assistant_start` is the
+/// assistant marker's position, and `assistant_end` is the next user marker's position (or the
+/// number of tokens for the last pair). Tokens before the first marker belong to no turn.
+///
+/// # Errors
+/// `TurnMarkers` when there are no markers or an odd number of them (a conversation that ends on
+/// a user turn).
+pub fn turn_spans(token_ids: &[i64], markers: &[i64], sample: &str) -> CoreResult<Vec<[usize; 4]>> {
+    let positions: Vec<usize> = token_ids
+        .iter()
+        .enumerate()
+        .filter(|(_, t)| markers.contains(t))
+        .map(|(i, _)| i)
+        .collect();
+    if positions.is_empty() || positions.len() % 2 != 0 {
+        return Err(CoreError::TurnMarkers {
+            sample: sample.to_owned(),
+            count: positions.len(),
+        });
+    }
+    let n_pairs = positions.len() / 2;
+    let mut spans = Vec::with_capacity(n_pairs);
+    for (k, pair) in positions.chunks_exact(2).enumerate() {
+        let (&[user, assistant], next) = (pair, positions.get(2 * k + 2)) else {
+            // chunks_exact(2) always yields two elements.
+            continue;
+        };
+        let end = next.copied().unwrap_or(token_ids.len());
+        spans.push([user, assistant, assistant, end]);
+    }
+    Ok(spans)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn validate_reports_first_bad_position() {
+        let m = [0i64, 1, 1, 2, 5];
+        let err = validate(MaskView::I64(&m), 5, false, "s").err();
+        assert_eq!(
+            err,
+            Some(CoreError::MaskValue {
+                sample: "s".into(),
+                position: 3,
+                value: "2".into()
+            })
+        );
+        let neg = [0i8, -1];
+        let err = validate(MaskView::I8(&neg), 2, false, "s").err();
+        assert!(
+            matches!(err, Some(CoreError::MaskValue { position: 1, ref value, .. }) if value == "-1")
+        );
+        let f = [0.0f32, 0.5];
+        assert!(validate(MaskView::F32(&f), 2, false, "s").is_err());
+    }
+
+    #[test]
+    fn validate_long_mask_and_trainable() {
+        let mut m = vec![0u8; 10_000];
+        assert!(validate(MaskView::U8(&m), 10_000, false, "s").is_ok());
+        assert!(matches!(
+            validate(MaskView::U8(&m), 10_000, true, "s"),
+            Err(CoreError::MaskNoTrainable { .. })
+        ));
+        if let Some(v) = m.get_mut(9000) {
+            *v = 3;
+        }
+        assert!(matches!(
+            validate(MaskView::U8(&m), 10_000, false, "s"),
+            Err(CoreError::MaskValue { position: 9000, .. })
+        ));
+        assert!(matches!(
+            validate(MaskView::U8(&m), 3, false, "s"),
+            Err(CoreError::MaskLength {
+                expected: 3,
+                actual: 10_000,
+                ..
+            })
+        ));
+    }
+
+    #[test]
+    fn roles_and_spans() {
+        let m = from_roles(
+            &[2, 1, 3],
+            &["user", "assistant", "user"],
+            &["assistant"],
+            Some(6),
+            "s",
+        );
+        assert_eq!(m.ok(), Some(vec![false, false, true, false, false, false]));
+        assert!(from_roles(&[2, 1], &["user"], &["assistant"], None, "s").is_err());
+        assert!(from_roles(&[2, -1], &["user", "a"], &["assistant"], None, "s").is_err());
+        assert!(from_roles(&[2, 1], &["user", "a"], &["assistant"], Some(4), "s").is_err());
+    }
+
+    #[test]
+    fn turns() {
+        let toks = [9, 1, 5, 2, 6, 6, 1, 7, 2, 8];
+        let spans = turn_spans(&toks, &[1, 2], "s").ok();
+        assert_eq!(spans, Some(vec![[1, 3, 3, 6], [6, 8, 8, 10]]));
+        assert!(matches!(
+            turn_spans(&toks[..8], &[1, 2], "s"),
+            Err(CoreError::TurnMarkers { count: 3, .. })
+        ));
+        assert!(turn_spans(&[5, 6], &[1, 2], "s").is_err());
+    }
+}

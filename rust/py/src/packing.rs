@@ -1,5 +1,137 @@
+//! Bindings for `mmpack_core::packing`: numpy `int64` arrays in (zero-copy, checked
+//! borrows), flat numpy arrays out (moved, not copied), the work done with the GIL released.
+use mmpack_core::packing::{self, Algorithm, OnOversize, PackOptions, RankCost};
+use numpy::{IntoPyArray, PyArray1, PyArrayMethods};
 use pyo3::prelude::*;
+use pyo3::types::PyTuple;
 
-pub fn register(_m: &Bound<'_, PyModule>) -> PyResult<()> {
+use crate::errors::PyCoreError;
+
+/// Packs `lengths` into bins of `capacity`. Returns `(bin_offsets, item_indices, bin_loads,
+/// bin_media or None, oversize, total_length)`.
+#[pyfunction]
+#[pyo3(
+    name = "pack",
+    signature = (
+        lengths, capacity, algorithm, *, media = None, media_capacity = None,
+        max_items_per_bin = None, min_bins = None, bins_multiple_of = None,
+        on_oversize = "error", order = None, allow_zero = false, search_budget = 256
+    )
+)]
+#[allow(clippy::too_many_arguments)]
+fn py_pack<'py>(
+    py: Python<'py>,
+    lengths: &Bound<'py, PyArray1<i64>>,
+    capacity: i64,
+    algorithm: &str,
+    media: Option<&Bound<'py, PyArray1<i64>>>,
+    media_capacity: Option<i64>,
+    max_items_per_bin: Option<usize>,
+    min_bins: Option<usize>,
+    bins_multiple_of: Option<usize>,
+    on_oversize: &str,
+    order: Option<&Bound<'py, PyArray1<i64>>>,
+    allow_zero: bool,
+    search_budget: usize,
+) -> PyResult<Bound<'py, PyTuple>> {
+    let mut opts = PackOptions::new(
+        capacity,
+        Algorithm::from_name(algorithm).map_err(PyCoreError)?,
+    );
+    opts.max_items_per_bin = max_items_per_bin;
+    opts.media_capacity = media_capacity;
+    opts.min_bins = min_bins;
+    opts.bins_multiple_of = bins_multiple_of;
+    opts.on_oversize = OnOversize::from_name(on_oversize).map_err(PyCoreError)?;
+    opts.allow_zero = allow_zero;
+    opts.search_budget = search_budget;
+    let lengths = lengths.try_readonly()?;
+    let lengths = lengths.as_slice()?;
+    let media = media.map(PyArrayMethods::try_readonly).transpose()?;
+    let media = media.as_ref().map(|m| m.as_slice()).transpose()?;
+    let order = order.map(PyArrayMethods::try_readonly).transpose()?;
+    opts.order = order.as_ref().map(|o| o.as_slice()).transpose()?;
+    let out = py
+        .detach(|| packing::pack(lengths, media, &opts))
+        .map_err(PyCoreError)?;
+    let has_media = media.is_some();
+    let bin_media = if has_media {
+        out.bin_media.into_pyarray(py).into_any()
+    } else {
+        py.None().into_bound(py)
+    };
+    PyTuple::new(
+        py,
+        [
+            out.bin_offsets.into_pyarray(py).into_any(),
+            out.item_indices.into_pyarray(py).into_any(),
+            out.bin_loads.into_pyarray(py).into_any(),
+            bin_media,
+            out.oversize.into_pyarray(py).into_any(),
+            out.total_length.into_pyobject(py)?.into_any(),
+        ],
+    )
+}
+
+/// `random.shuffle(list(range(n)))` from a Mersenne Twister state (624 words + position).
+/// Returns `(permutation, new_state_words, new_position)`.
+#[pyfunction]
+#[pyo3(name = "shuffle_permutation", signature = (state, pos, n))]
+fn py_shuffle_permutation<'py>(
+    py: Python<'py>,
+    state: &Bound<'py, PyArray1<u32>>,
+    pos: usize,
+    n: usize,
+) -> PyResult<Bound<'py, PyTuple>> {
+    let mut words = state.try_readonly()?.as_slice()?.to_vec();
+    let (perm, pos) = py
+        .detach(|| packing::shuffle_permutation(&mut words, pos, n))
+        .map_err(PyCoreError)?;
+    PyTuple::new(
+        py,
+        [
+            perm.into_pyarray(py).into_any(),
+            words.into_pyarray(py).into_any(),
+            pos.into_pyobject(py)?.into_any(),
+        ],
+    )
+}
+
+/// Distributes bins over ranks. Returns `(rank_offsets, bin_indices, rank_costs, bin_costs)`.
+#[pyfunction]
+#[pyo3(name = "assign_to_ranks", signature = (bin_offsets, item_indices, lengths, num_ranks, cost))]
+fn py_assign_to_ranks<'py>(
+    py: Python<'py>,
+    bin_offsets: &Bound<'py, PyArray1<i64>>,
+    item_indices: &Bound<'py, PyArray1<i64>>,
+    lengths: &Bound<'py, PyArray1<i64>>,
+    num_ranks: usize,
+    cost: &str,
+) -> PyResult<Bound<'py, PyTuple>> {
+    let cost = RankCost::from_name(cost).map_err(PyCoreError)?;
+    let offsets = bin_offsets.try_readonly()?;
+    let offsets = offsets.as_slice()?;
+    let items = item_indices.try_readonly()?;
+    let items = items.as_slice()?;
+    let lengths = lengths.try_readonly()?;
+    let lengths = lengths.as_slice()?;
+    let out = py
+        .detach(|| packing::assign_to_ranks(offsets, items, lengths, num_ranks, cost))
+        .map_err(PyCoreError)?;
+    PyTuple::new(
+        py,
+        [
+            out.rank_offsets.into_pyarray(py),
+            out.bin_indices.into_pyarray(py),
+            out.rank_costs.into_pyarray(py),
+            out.bin_costs.into_pyarray(py),
+        ],
+    )
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(py_pack, m)?)?;
+    m.add_function(wrap_pyfunction!(py_shuffle_permutation, m)?)?;
+    m.add_function(wrap_pyfunction!(py_assign_to_ranks, m)?)?;
     Ok(())
 }

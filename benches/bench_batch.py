@@ -1,0 +1,147 @@
+"""Packed SFT batches and loss-mask validation: mmpack vs the plain-torch reference, one run.
+
+Rows (median wall time over the repeats, same inputs on both sides):
+
+* ``pack_samples``: 64 samples of 16-400 tokens, 2-6 alternating user/assistant messages each,
+  a ``pixel_values`` PackedTensor (dedup-enabled) on every third sample, into one pack
+  (``pad_to_multiple_of=8``, ``cp_size=2``), in both loss-mask modes. Reference: the per-sample
+  torch builder in ``mmpack._reference.batch`` with NeMo-RL's PackedTensor
+  (``mmpack._reference.packed_tensor``); mmpack: one native call plus ``mmpack.PackedTensor``.
+* ``masks.validate`` of a 1M-token mask (int64, uint8 and bool torch tensors, all valid, so
+  every value is read; a bool mask cannot hold a bad value, so only its length is checked).
+  Reference: elementwise torch checks with the first bad position
+  (``mmpack._reference.masks.validate``).
+
+torch runs on one thread by default (``--torch-threads``): on the shared 2-core machine its
+multi-threaded kernels were 3-40x *slower* under load, so one thread is the faster and steadier
+baseline; mmpack's calls are single-threaded too.
+
+Usage: ``python benches/bench_batch.py [--quick] [--repeats N] [--torch-threads N]``.
+Prints a markdown table and writes ``bench-results/bench_batch.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from mmpack import PackedTensor, masks
+from mmpack._reference import batch as ref_batch
+from mmpack._reference import masks as ref_masks
+from mmpack._reference.packed_tensor import PackedTensor as RefPackedTensor
+from mmpack.batch import EncodedSample, pack_samples
+
+
+def _median(fn: Callable[[], Any], repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _samples(n: int, seed: int = 0) -> tuple[list[EncodedSample], list[EncodedSample]]:
+    """The same samples twice: media as mmpack PackedTensors, and as reference ones."""
+    rng = np.random.default_rng(seed)
+    fast: list[EncodedSample] = []
+    ref: list[EncodedSample] = []
+    for i in range(n):
+        length = int(rng.integers(16, 401))
+        n_msgs = int(rng.integers(2, 7))
+        cuts = np.sort(rng.choice(np.arange(1, length), size=n_msgs - 1, replace=False))
+        lengths = np.diff(np.concatenate([[0], cuts, [length]])).tolist()
+        roles = ["user" if k % 2 == 0 else "assistant" for k in range(n_msgs)]
+        tokens = torch.from_numpy(rng.integers(0, 150_000, size=length, dtype=np.int64))
+        mask = torch.from_numpy(masks.from_roles(lengths, roles).astype(np.int64))
+        fast_media = ref_media = None
+        if i % 3 == 0:
+            image = torch.randn(int(rng.integers(64, 257)), 1176)
+            fast_media = {"pixel_values": PackedTensor(image, 0).enable_deduplication()}
+            ref_media = {"pixel_values": RefPackedTensor(image, 0).enable_deduplication()}
+        common = {"loss_mask": mask, "message_lengths": lengths, "message_roles": roles}
+        fast.append(EncodedSample(f"s{i}", tokens, media=fast_media, **common))
+        ref.append(EncodedSample(f"s{i}", tokens, media=ref_media, **common))
+    return fast, ref
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="tiny smoke run")
+    parser.add_argument("--repeats", type=int, default=None)
+    parser.add_argument("--torch-threads", type=int, default=1)
+    args = parser.parse_args()
+    torch.set_num_threads(args.torch_threads)
+    repeats = args.repeats or (3 if args.quick else 50)
+    n_samples = 8 if args.quick else 64
+    mask_tokens = 10_000 if args.quick else 1_000_000
+
+    fast, ref = _samples(n_samples)
+    opts = {"pad_to_multiple_of": 8, "cp_size": 2}
+    rows: list[dict[str, Any]] = []
+    for mode in (None, "precomputed"):
+        # same outputs first, then time
+        a = pack_samples(fast, loss_mask_mode=mode, **opts)
+        b = ref_batch.pack_samples(ref, loss_mask_mode=mode, **opts)
+        assert torch.equal(a.labels, b.labels) and torch.equal(a.input_ids, b.input_ids)
+        t_ref = _median(
+            lambda m=mode: ref_batch.pack_samples(ref, loss_mask_mode=m, **opts), repeats
+        )
+        t_new = _median(lambda m=mode: pack_samples(fast, loss_mask_mode=m, **opts), repeats)
+        rows.append(
+            {
+                "case": f"pack_samples {n_samples} samples, mode={mode!r} "
+                f"({int(a.cu_seqlens[-1])} tokens, media on every 3rd)",
+                "reference_ms": t_ref * 1e3,
+                "mmpack_ms": t_new * 1e3,
+                "target": 10,
+            }
+        )
+
+    gen = torch.Generator().manual_seed(1)
+    for dtype in (torch.int64, torch.uint8, torch.bool):
+        mask = (torch.rand(mask_tokens, generator=gen) < 0.5).to(dtype)
+        t_ref = _median(lambda m=mask: ref_masks.validate(m, mask_tokens), repeats)
+        t_new = _median(lambda m=mask: masks.validate(m, mask_tokens), repeats)
+        rows.append(
+            {
+                "case": f"masks.validate {mask_tokens:,}-token {str(dtype)[6:]} mask",
+                "reference_ms": t_ref * 1e3,
+                "mmpack_ms": t_new * 1e3,
+                "target": 20,
+            }
+        )
+
+    print("| case | reference (ms) | mmpack (ms) | speedup | target |")
+    print("|---|---:|---:|---:|---:|")
+    for r in rows:
+        r["speedup"] = r["reference_ms"] / r["mmpack_ms"]
+        print(
+            f"| {r['case']} | {r['reference_ms']:.3f} | {r['mmpack_ms']:.3f} | "
+            f"{r['speedup']:.1f}x | >= {r['target']}x |"
+        )
+    out = Path("bench-results")
+    out.mkdir(exist_ok=True)
+    (out / "bench_batch.json").write_text(
+        json.dumps(
+            {
+                "quick": args.quick,
+                "repeats": repeats,
+                "torch_threads": args.torch_threads,
+                "rows": rows,
+            },
+            indent=2,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,194 @@
+"""GPU check for the device feed: correctness against the CPU path, host-to-device bytes and time.
+
+One short script (well under 5 minutes on one GPU). Without a CUDA device it prints a message
+and exits 0.
+
+Checks, for a deduplicated G=16 GRPO batch and its expanded legacy twin:
+
+* ``PackedTensor.as_tensor("cuda")`` equals the CPU materialization byte for byte (fp32, bf16,
+  int64 media; ``pad_to_max_shape``; a negative ``dim_to_pack``; ``out=`` on the device);
+* the deduplicated batch moves exactly ``physical_nbytes()`` host-to-device (each unique segment
+  once, through pinned staging), the legacy twin its logical bytes;
+* ``PackedBatch``-style media moves (``move_segments``) keep sharing on the device.
+
+Prints a markdown table (H2D bytes, median ms) and exits non-zero on any mismatch.
+Usage: ``python benches/gpu_check.py [--repeats N]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+G = 16
+
+
+def _batch(prompts: int, dtype: torch.dtype, seed: int = 0) -> Any:
+    from mmpack.packed import PackedTensor
+
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for p in range(prompts):
+        images = [
+            torch.randn(64 * (1 + (p + i) % 3), 1176, generator=gen).to(dtype)
+            for i in range(1 + p % 2)
+        ]
+        rows.append(
+            PackedTensor.merge_segments([PackedTensor(t, 0).enable_deduplication() for t in images])
+        )
+    return PackedTensor.flattened_concat(rows).repeat_interleave(G)
+
+
+def _legacy(value: Any) -> Any:
+    from mmpack.packed import PackedTensor
+
+    return PackedTensor(
+        [value.slice([r]).as_tensor().clone() for r in range(len(value))], value.dim_to_pack
+    )
+
+
+def _fresh(value: Any) -> Any:
+    """A copy whose ``tensors`` list can be moved in place without touching ``value``."""
+    from mmpack.packed import PackedTensor
+
+    offsets, indices = value.csr()
+    return PackedTensor(
+        list(value.tensors),
+        value.dim_to_pack,
+        pad_to_max_shape=value.pad_to_max_shape,
+        _row_offsets=offsets.tolist(),
+        _segment_indices=indices.tolist(),
+    )
+
+
+def _timed(fn: Callable[[], Any], repeats: int) -> tuple[float, Any]:
+    result = fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        result = fn()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), result
+
+
+def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    a = a.detach().cpu().contiguous()
+    b = b.detach().cpu().contiguous()
+    return (
+        a.shape == b.shape
+        and a.dtype == b.dtype
+        and torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--prompts", type=int, default=8)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print(
+            "gpu_check: no CUDA device available (torch.cuda.is_available() is False); "
+            "nothing to check."
+        )
+        return 0
+
+    from mmpack import _materialize
+    from mmpack.packed import PackedTensor
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    print(f"gpu_check on {torch.cuda.get_device_name(device)}, torch {torch.__version__}\n")
+    counters = _materialize.transfer_counters()
+    failures: list[str] = []
+    rows: list[tuple[str, int, int, float, bool]] = []
+
+    for dtype in (torch.float32, torch.bfloat16):
+        dedup = _batch(args.prompts, dtype)
+        legacy = _legacy(dedup)
+        cpu = dedup.as_tensor()
+        for label, value in (("dedup", dedup), ("legacy", legacy)):
+            expected_h2d = value.physical_nbytes()
+
+            def run(value: Any = value) -> Any:
+                counters.reset()
+                return _fresh(value).as_tensor(device)
+
+            ms, got = _timed(run, args.repeats)
+            h2d = counters.total_bytes
+            ok = _same(got, cpu) and h2d == expected_h2d
+            if not ok:
+                failures.append(
+                    f"{label} {dtype}: equal={_same(got, cpu)} h2d={h2d} expected={expected_h2d}"
+                )
+            rows.append(
+                (f"as_tensor(cuda) {label} {dtype}", h2d, value.logical_nbytes(), ms * 1e3, ok)
+            )
+        # the legacy path moves the logical bytes, the dedup one the physical bytes
+        ratio = legacy.physical_nbytes() / max(dedup.physical_nbytes(), 1)
+        print(f"{dtype}: legacy/dedup host-to-device bytes = {ratio:.1f}x")
+
+    # shapes: padding, negative dim, out= on the device, int64 metadata
+    gen = torch.Generator().manual_seed(1)
+    segs = [torch.randn(2, 3, 5, generator=gen), torch.randn(4, 1, 2, generator=gen), None]
+    for dim, pad in ((0, True), (-1, True), (-2, False), (1, False)):
+        base_segs = (
+            segs if pad else [torch.randn(2, 3, 5, generator=gen) for _ in range(2)] + [None]
+        )
+        value = PackedTensor(
+            list(base_segs), dim, pad_to_max_shape=pad,
+            _row_offsets=[0, 2, 3, 5], _segment_indices=[0, 1, 2, 1, 0],
+        ).enable_deduplication()  # fmt: skip
+        cpu = _fresh(value).as_tensor()
+        got = _fresh(value).as_tensor(device)
+        ok = _same(got, cpu)
+        if ok and cpu is not None:
+            out = torch.empty_like(cpu, device=device)
+            again = _fresh(value).as_tensor(device, out=out)
+            ok = again is out and _same(out, cpu)
+        if not ok:
+            failures.append(f"shape case dim={dim} pad={pad}")
+        rows.append((f"as_tensor(cuda) dim={dim} pad={pad}", 0, 0, 0.0, ok))
+
+    ints = PackedTensor(
+        [torch.tensor([[1, 4, 6]]), torch.tensor([[1, 2, 2]])], 0
+    ).enable_deduplication()
+    ints = ints.repeat_interleave(G)
+    ok = _same(_fresh(ints).as_tensor(device), ints.as_tensor())
+    rows.append(("as_tensor(cuda) int64 grid", 0, 0, 0.0, ok))
+    if not ok:
+        failures.append("int64 grid")
+
+    # a device move keeps sharing: one unique segment, many slots
+    a = torch.randn(128, 1176)
+    counters.reset()
+    moved = _materialize.move_segments([a, None, a, a], device)
+    ok = moved[0] is moved[2] is moved[3] and moved[1] is None and counters.total_bytes == a.nbytes
+    ok = ok and _same(moved[0], a)
+    rows.append(("move_segments shares", counters.total_bytes, 3 * a.nbytes, 0.0, ok))
+    if not ok:
+        failures.append("move_segments sharing")
+
+    print("| case | H2D bytes | logical bytes | median ms | ok |")
+    print("|---|---:|---:|---:|---|")
+    for name, h2d, logical, ms, ok in rows:
+        print(f"| {name} | {h2d:,} | {logical:,} | {ms:.2f} | {'yes' if ok else 'NO'} |")
+    if failures:
+        print("\nFAILED: " + "; ".join(failures))
+        return 1
+    print("\nall GPU checks passed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,322 @@
+"""Drop mmpack's ``PackedTensor`` into NeMo-RL, and read NeMo-RL's pickles safely.
+
+``install()`` makes ``nemo_rl.data.multimodal_utils.PackedTensor`` be ``mmpack.PackedTensor``:
+
+* if ``nemo_rl`` is importable, the attribute is patched on ``nemo_rl.data.multimodal_utils``
+  and in every already-imported module that did ``from nemo_rl.data.multimodal_utils import
+  PackedTensor`` (any module attribute that *is* NeMo-RL's class is rebound), so existing code,
+  ``isinstance`` checks and later imports all get mmpack's class, and pickles naming
+  ``nemo_rl.data.multimodal_utils.PackedTensor`` load as mmpack objects;
+* if it is not, a small shim package ``nemo_rl`` / ``nemo_rl.data`` /
+  ``nemo_rl.data.multimodal_utils`` is registered in ``sys.modules`` (only the missing levels),
+  exposing mmpack's class, so that the import line and ``pickle.load`` of NeMo-RL payloads work.
+
+``install()`` returns which of the two it did (``"patched"`` or ``"shim"``); ``uninstall()``
+undoes it.
+
+``loads(data)`` / ``load(file)`` read pickles written by NeMo-RL (``pickle``, ``cloudpickle`` or
+``torch.save``; the old three-field ``__dict__`` state and the current six-field one; values nested
+in dicts, lists and tuples) into mmpack objects, without ``nemo_rl`` installed and without
+``install()``. They use a restricted unpickler that admits only what a PackedTensor payload needs:
+
+* the PackedTensor class paths (NeMo-RL's and mmpack's), mapped to ``mmpack.PackedTensor``;
+* torch's tensor rebuild function and storage types, and torch dtypes;
+* ``collections.OrderedDict``, a few builtin containers, ``copyreg._reconstructor`` (protocols 0
+  and 1) and ``_codecs.encode`` (bytes under protocol 2).
+
+Any other global raises :class:`mmpack.errors.UnsafePickleError` naming it (for example
+``os.system``), before anything is called. Tensors always load onto the CPU.
+"""
+
+from __future__ import annotations
+
+import builtins
+import collections
+import copyreg
+import importlib
+import io
+import os
+import pickle
+import sys
+import types
+import warnings
+import zipfile
+from collections.abc import Callable
+from typing import IO, Any
+
+from mmpack.errors import UnsafePickleError
+
+__all__ = ["NEMO_RL_CLASS_PATH", "install", "installed", "load", "loads", "uninstall"]
+
+NEMO_RL_MODULE = "nemo_rl.data.multimodal_utils"
+NEMO_RL_CLASS_PATH = f"{NEMO_RL_MODULE}.PackedTensor"
+
+# Class paths whose payload is a PackedTensor ``__dict__`` state.
+_PACKED_CLASS_PATHS = frozenset(
+    {
+        (NEMO_RL_MODULE, "PackedTensor"),
+        ("mmpack.packed", "PackedTensor"),
+        ("mmpack", "PackedTensor"),
+    }
+)
+_BUILTINS = frozenset(
+    {"set", "frozenset", "bytearray", "complex", "object", "list", "dict", "tuple", "bytes"}
+)
+_ZIP_MAGIC = b"PK\x03\x04"
+_PY2_MODULES = {"copy_reg": "copyreg", "__builtin__": "builtins"}
+
+
+def _packed_tensor_class() -> type:
+    from mmpack.packed import PackedTensor
+
+    return PackedTensor
+
+
+# ---------------------------------------------------------------------------------- install
+
+
+class _InstallState:
+    mode: str | None = None
+    # (module, attribute name, previous value)
+    patched: list[tuple[types.ModuleType, str, Any]] = []  # noqa: RUF012
+    shim_modules: list[str] = []  # noqa: RUF012
+
+
+def installed() -> str | None:
+    """``"patched"`` or ``"shim"`` while ``install()`` is in effect, else ``None``."""
+    return _InstallState.mode
+
+
+def install() -> str:
+    """Make NeMo-RL use ``mmpack.PackedTensor``; return ``"patched"`` or ``"shim"``.
+
+    Idempotent: a second call returns the mode of the first without doing anything.
+    """
+    if _InstallState.mode is not None:
+        return _InstallState.mode
+    ours = _packed_tensor_class()
+    try:
+        module = importlib.import_module(NEMO_RL_MODULE)
+    except ImportError:
+        module = None
+    if module is not None:
+        original = getattr(module, "PackedTensor", None)
+        _set(module, "PackedTensor", ours)
+        if original is not None and original is not ours:
+            for other in list(sys.modules.values()):
+                if not isinstance(other, types.ModuleType) or other is module:
+                    continue
+                namespace = getattr(other, "__dict__", None)
+                if not isinstance(namespace, dict):
+                    continue
+                for name, value in list(namespace.items()):
+                    if value is original:
+                        _set(other, name, ours)
+        _InstallState.mode = "patched"
+        return "patched"
+
+    parts = NEMO_RL_MODULE.split(".")
+    for depth in range(1, len(parts) + 1):
+        name = ".".join(parts[:depth])
+        if name in sys.modules:
+            continue
+        shim = types.ModuleType(name, "mmpack shim standing in for NeMo-RL (mmpack.compat.nemo_rl)")
+        if depth < len(parts):
+            shim.__path__ = []
+        sys.modules[name] = shim
+        _InstallState.shim_modules.append(name)
+        if depth > 1:
+            _set(sys.modules[".".join(parts[: depth - 1])], parts[depth - 1], shim)
+    _set(sys.modules[NEMO_RL_MODULE], "PackedTensor", ours)
+    _InstallState.mode = "shim"
+    return "shim"
+
+
+_MISSING = object()
+
+
+def _set(module: types.ModuleType, name: str, value: Any) -> None:
+    _InstallState.patched.append((module, name, module.__dict__.get(name, _MISSING)))
+    setattr(module, name, value)
+
+
+def uninstall() -> None:
+    """Undo ``install()``: restore every patched attribute and drop the shim modules."""
+    for module, name, previous in reversed(_InstallState.patched):
+        if previous is _MISSING:
+            module.__dict__.pop(name, None)
+        else:
+            setattr(module, name, previous)
+    for name in reversed(_InstallState.shim_modules):
+        sys.modules.pop(name, None)
+    _InstallState.patched = []
+    _InstallState.shim_modules = []
+    _InstallState.mode = None
+
+
+# ---------------------------------------------------------------------------------- loading
+
+
+def _load_storage_from_bytes(data: bytes) -> Any:
+    """Stands in for ``torch.storage._load_from_bytes`` (which calls ``torch.load`` with
+    ``weights_only=False``): the nested storage is read with torch's own restricted loader."""
+    import torch
+
+    if not isinstance(data, bytes):
+        raise UnsafePickleError(
+            f"torch.storage._load_from_bytes expects bytes, got {type(data).__name__}"
+        )
+    return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+
+
+def _latin1_encode(text: str, encoding: str = "utf-8") -> bytes:
+    """Stands in for ``_codecs.encode``, which protocols 0-2 use to rebuild ``bytes``; only the
+    text encodings that use ever writes are admitted (no zlib/base64 codec tricks)."""
+    if not isinstance(text, str) or encoding.lower().replace("_", "-") not in {"latin1", "latin-1"}:
+        raise UnsafePickleError(f"refusing _codecs.encode with encoding {encoding!r}")
+    return text.encode("latin-1")
+
+
+class _StorageType:
+    """What a ``torch.<Dtype>Storage`` global resolves to: only its dtype is used (reading the
+    legacy class's ``dtype`` warns, so read it once here, quietly)."""
+
+    def __init__(self, name: str) -> None:
+        import torch
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            dtype = getattr(getattr(torch, name), "dtype", None)
+        if not isinstance(dtype, torch.dtype):
+            raise UnsafePickleError(f"refusing storage type 'torch.{name}'")
+        self.dtype = dtype
+        self.name = name
+
+
+def _is_torch_dtype(name: str) -> bool:
+    import torch
+
+    return isinstance(getattr(torch, name, None), torch.dtype)
+
+
+def _is_torch_storage_type(name: str) -> bool:
+    import torch
+
+    return name.endswith("Storage") and isinstance(getattr(torch, name, None), type)
+
+
+def _resolve(module: str, name: str) -> Any:
+    module = _PY2_MODULES.get(module, module)  # protocols 0-2 write Python 2 module names
+    if (module, name) in _PACKED_CLASS_PATHS:
+        return _packed_tensor_class()
+    if module == "collections" and name == "OrderedDict":
+        return collections.OrderedDict
+    if module == "builtins" and name in _BUILTINS:
+        return getattr(builtins, name)
+    if module == "copyreg" and name == "_reconstructor":
+        return copyreg._reconstructor  # type: ignore[attr-defined]
+    if module == "_codecs" and name == "encode":
+        return _latin1_encode
+    if module == "torch._utils" and name == "_rebuild_tensor_v2":
+        import torch._utils
+
+        return torch._utils._rebuild_tensor_v2
+    if module == "torch.storage" and name == "_load_from_bytes":
+        return _load_storage_from_bytes
+    if module == "torch" and _is_torch_dtype(name):
+        import torch
+
+        return getattr(torch, name)
+    if module == "torch" and _is_torch_storage_type(name):
+        return _StorageType(name)
+    raise UnsafePickleError(
+        f"refusing to unpickle global '{module}.{name}': a PackedTensor payload never needs it "
+        "(mmpack.compat.nemo_rl admits only PackedTensor, torch tensors/storages/dtypes, "
+        "OrderedDict and builtin containers)"
+    )
+
+
+class _RestrictedUnpickler(pickle.Unpickler):
+    def __init__(
+        self, file: IO[bytes], persistent: Callable[[Any], Any] | None = None, **kw: Any
+    ) -> None:
+        super().__init__(file, **kw)
+        self._persistent = persistent
+
+    def find_class(self, module: str, name: str) -> Any:
+        return _resolve(module, name)
+
+    def persistent_load(self, pid: Any) -> Any:
+        if self._persistent is None:
+            raise UnsafePickleError(
+                f"refusing persistent id {pid!r}: only torch.save archives may carry storages"
+            )
+        return self._persistent(pid)
+
+
+def _loads_plain(data: bytes) -> Any:
+    return _RestrictedUnpickler(io.BytesIO(data)).load()
+
+
+def _loads_torch_zip(data: bytes) -> Any:
+    import torch
+
+    with zipfile.ZipFile(io.BytesIO(data)) as archive:
+        names = archive.namelist()
+        pkl = [n for n in names if n.endswith("/data.pkl") or n == "data.pkl"]
+        if len(pkl) != 1:
+            raise UnsafePickleError("not a torch.save archive: expected exactly one data.pkl")
+        prefix = pkl[0][: -len("data.pkl")]
+        if f"{prefix}byteorder" in names:
+            order = archive.read(f"{prefix}byteorder").decode("ascii", "replace").strip()
+            if order != sys.byteorder:
+                raise UnsafePickleError(
+                    f"torch.save archive is {order}-endian; this machine is {sys.byteorder}-endian"
+                )
+        storages: dict[str, Any] = {}
+
+        def persistent(pid: Any) -> Any:
+            if not (isinstance(pid, tuple) and len(pid) == 5 and pid[0] == "storage"):
+                raise UnsafePickleError(
+                    f"refusing unknown persistent id {pid!r} in torch.save data"
+                )
+            storage_type, key = pid[1], pid[2]
+            if not isinstance(key, str) or f"{prefix}data/{key}" not in names:
+                raise UnsafePickleError(f"torch.save archive has no storage record {key!r}")
+            if not isinstance(storage_type, _StorageType):
+                raise UnsafePickleError(f"refusing storage type {storage_type!r}")
+            dtype = storage_type.dtype
+            if key not in storages:
+                raw = archive.read(f"{prefix}data/{key}")
+                untyped = (
+                    torch.UntypedStorage.from_buffer(raw, dtype=torch.uint8)
+                    if raw
+                    else (torch.UntypedStorage(0))
+                )
+                storages[key] = untyped
+            return torch.storage.TypedStorage(
+                wrap_storage=storages[key], dtype=dtype, _internal=True
+            )
+
+        return _RestrictedUnpickler(io.BytesIO(archive.read(pkl[0])), persistent).load()
+
+
+def loads(data: bytes | bytearray | memoryview) -> Any:
+    """Unpickle ``data`` (a pickle, or the bytes of a ``torch.save`` file) with PackedTensor
+    values coming back as ``mmpack.PackedTensor``. Raises ``UnsafePickleError`` for any global
+    a PackedTensor payload does not need."""
+    raw = bytes(data)
+    if raw[:4] == _ZIP_MAGIC:
+        try:
+            return _loads_torch_zip(raw)
+        except (zipfile.BadZipFile, KeyError) as exc:
+            raise pickle.UnpicklingError(f"not a readable torch.save archive: {exc}") from exc
+    return _loads_plain(raw)
+
+
+def load(file: str | os.PathLike[str] | IO[bytes]) -> Any:
+    """``loads`` for a path or a binary file object (a pickle or a ``torch.save`` file)."""
+    if isinstance(file, (str, os.PathLike)):
+        with open(file, "rb") as fh:
+            return loads(fh.read())
+    return loads(file.read())

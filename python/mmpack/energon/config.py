@@ -1,0 +1,196 @@
+"""`PackingEncoderConfig`: the typed settings of `PackingTaskEncoder`.
+
+A config is a frozen dataclass. `from_dict` / `from_yaml` reject unknown fields (suggesting the
+closest known name) and retired fields (naming their replacement), so a shipped recipe that stops
+matching the code fails loudly at load time instead of training with a silently different setup.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from mmpack.errors import EnergonConfigError
+
+__all__ = ["RETIRED_FIELDS", "PackingEncoderConfig"]
+
+LOSS_MASK_MODES = (None, "precomputed")
+OVERSIZE_POLICIES = ("skip", "error")
+KNOWN_MODALITIES = ("image", "audio")
+
+#: Retired field name -> what to use instead.
+RETIRED_FIELDS: dict[str, str] = {
+    "max_seq_length": "capacity",
+    "seq_length": "capacity",
+    "pack_size": "capacity",
+    "packing_buffer": "packing_buffer_size",
+    "max_items_per_bin": "max_samples_per_pack",
+    "media_capacity": "media_budget",
+    "model_family": (
+        "subclass PackingTaskEncoder and set loss_mask_mode (None: from roles, "
+        "'precomputed': the encoder's mask); the encoder never branches on a model family"
+    ),
+    "use_precomputed_mask": "loss_mask_mode: precomputed",
+}
+
+_ZERO_TOLERANCE_HELP = (
+    "failure_tolerance must be a positive integer: Energon reads 0 as 'never stop', so an "
+    "all-broken dataset would loop forever without yielding a batch (and 0 also disables the stop "
+    "in Energon's packing loop). Keep a finite tolerance (Energon's default is 100); to fail fast "
+    "while developing, pass WorkerConfig(global_error_handler=reraise_exception) instead"
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class PackingEncoderConfig:
+    """Settings of a `PackingTaskEncoder`.
+
+    Attributes:
+        capacity: tokens per pack (the packed sequence length).
+        packing_buffer_size: encoded samples each `select_samples_to_pack` call sees (per worker).
+        algorithm: an algorithm name of `mmpack.packing.pack`.
+        max_samples_per_pack: optional cap on samples per pack.
+        media_budget: optional cap on media units (image patches / audio frames) per pack.
+        loss_mask_mode: ``None`` derives the mask from message roles; ``"precomputed"`` uses the
+            encoder's own mask (per-fragment ``trainable`` flags) after validation.
+        train_roles: roles whose tokens are trained on (both modes).
+        on_oversize: ``"skip"`` (counted, logged) or ``"error"`` (a typed error naming the sample,
+            handled by Energon's failure tolerance) for a sample longer than ``capacity`` or
+            with more media than ``media_budget``.
+        failure_tolerance: consecutive failures of one hook (per worker) before Energon stops the
+            job. Must be >= 1.
+        max_consecutive_skips: consecutive policy skips (per worker) before the encoder stops the
+            job with `TooManySkippedError`. Must be >= 1.
+        modalities: media kinds the run needs; each is validated against the processor at
+            construction.
+        batch_size: packs per batch.
+        pad_token_id / pad_to_multiple_of / ignore_index / cp_size: passed to
+            `mmpack.batch.pack_samples`.
+    """
+
+    capacity: int = 2048
+    packing_buffer_size: int = 64
+    algorithm: str = "best_fit_decreasing"
+    max_samples_per_pack: int | None = None
+    media_budget: int | None = None
+    loss_mask_mode: str | None = None
+    train_roles: tuple[str, ...] = ("assistant",)
+    on_oversize: str = "skip"
+    failure_tolerance: int = 100
+    max_consecutive_skips: int = 1000
+    modalities: tuple[str, ...] = ("image",)
+    batch_size: int = 1
+    pad_token_id: int = 0
+    pad_to_multiple_of: int = 1
+    ignore_index: int = -100
+    cp_size: int = 1
+
+    def __post_init__(self) -> None:
+        for name in ("train_roles", "modalities"):
+            value = getattr(self, name)
+            if isinstance(value, str) or not isinstance(value, (list, tuple)):
+                raise EnergonConfigError(f"{name} must be a list of strings, got {value!r}")
+            object.__setattr__(self, name, tuple(value))
+        for name in ("capacity", "packing_buffer_size", "batch_size", "pad_to_multiple_of"):
+            _positive_int(name, getattr(self, name))
+        _positive_int("cp_size", self.cp_size)
+        for name in ("max_samples_per_pack", "media_budget"):
+            if getattr(self, name) is not None:
+                _positive_int(name, getattr(self, name))
+        for name in ("pad_token_id", "ignore_index"):
+            if not _is_int(getattr(self, name)):
+                raise EnergonConfigError(f"{name} must be an integer, got {getattr(self, name)!r}")
+        if self.failure_tolerance is None or self.failure_tolerance == 0:
+            raise EnergonConfigError(f"{_ZERO_TOLERANCE_HELP}; got {self.failure_tolerance!r}")
+        _positive_int("failure_tolerance", self.failure_tolerance)
+        if self.max_consecutive_skips is None or self.max_consecutive_skips == 0:
+            raise EnergonConfigError(
+                "max_consecutive_skips must be a positive integer: Energon hangs silently when "
+                f"every sample is skipped, this guard is what stops it; got "
+                f"{self.max_consecutive_skips!r}"
+            )
+        _positive_int("max_consecutive_skips", self.max_consecutive_skips)
+        if self.loss_mask_mode not in LOSS_MASK_MODES:
+            raise EnergonConfigError(
+                f"loss_mask_mode must be None (mask from message roles) or 'precomputed' "
+                f"(the encoder's mask), got {self.loss_mask_mode!r}"
+            )
+        if self.on_oversize not in OVERSIZE_POLICIES:
+            raise EnergonConfigError(
+                f"on_oversize must be one of {OVERSIZE_POLICIES}, got {self.on_oversize!r}"
+            )
+        if not isinstance(self.algorithm, str) or not self.algorithm:
+            raise EnergonConfigError(
+                f"algorithm must be a packing algorithm name, got {self.algorithm!r}"
+            )
+        for modality in self.modalities:
+            if modality not in KNOWN_MODALITIES:
+                raise EnergonConfigError(
+                    f"unknown modality {modality!r}; supported: {', '.join(KNOWN_MODALITIES)}"
+                )
+        if not self.train_roles or not all(isinstance(r, str) for r in self.train_roles):
+            raise EnergonConfigError(
+                f"train_roles must be a non-empty list of role names, got {self.train_roles!r}"
+            )
+
+    @classmethod
+    def field_names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any], *, source: str = "config") -> PackingEncoderConfig:
+        """Build a config from a mapping; unknown or retired keys raise `EnergonConfigError`."""
+        if not isinstance(data, Mapping):
+            raise EnergonConfigError(
+                f"{source}: expected a mapping of fields, got {type(data).__name__}"
+            )
+        known = cls.field_names()
+        problems = []
+        for key in data:
+            if key in known:
+                continue
+            if key in RETIRED_FIELDS:
+                problems.append(f"field {key!r} was retired; use {RETIRED_FIELDS[key]} instead")
+            else:
+                close = difflib.get_close_matches(str(key), known, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                problems.append(f"unknown field {key!r}{hint}")
+        if problems:
+            raise EnergonConfigError(
+                f"{source}: " + "; ".join(problems) + f". Known fields: {', '.join(known)}"
+            )
+        try:
+            return cls(**dict(data))
+        except EnergonConfigError as err:
+            raise EnergonConfigError(f"{source}: {err}") from None
+
+    @classmethod
+    def from_yaml(cls, path: str | Path) -> PackingEncoderConfig:
+        """Load a config from a YAML file whose top level holds the config fields."""
+        import yaml
+
+        text = Path(path).read_text(encoding="utf-8")
+        data = yaml.safe_load(text)
+        return cls.from_dict(data if data is not None else {}, source=str(path))
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["train_roles"] = list(self.train_roles)
+        out["modalities"] = list(self.modalities)
+        return out
+
+    def replace(self, **changes: Any) -> PackingEncoderConfig:
+        """A copy with `changes` applied (unknown or retired names raise, as in `from_dict`)."""
+        return self.from_dict({**self.to_dict(), **changes})
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _positive_int(name: str, value: object) -> None:
+    if not _is_int(value) or int(value) < 1:  # type: ignore[call-overload]
+        raise EnergonConfigError(f"{name} must be a positive integer, got {value!r}")

@@ -1,0 +1,190 @@
+"""Cookers for the two source formats. Both are lazy: media stays a `MediaHandle`.
+
+* generic (subflavor ``mmpack_format: generic``): one WebDataset sample holds ``<key>.json`` with
+  ``messages[]`` (``role``, ``content`` with ``<image>`` / ``<audio>`` placeholders) and a media
+  manifest ``media[]`` (``name``, ``kind``, ``width``/``height`` or ``duration``), plus one part per
+  media item (``<key>.<name>``). Placeholders take manifest entries in order; entries no
+  placeholder takes are never read or decoded.
+* fragments (subflavor ``mmpack_format: fragments``): ``<key>.json`` with
+  ``conversation[].fragments[]``; a fragment is ``{"text": ..., "trainable": bool}`` or
+  ``{"media": KEY, "kind": ..., ...metadata}``, and KEY is looked up in a separate media store,
+  the metadataset's auxiliary dataset ``media`` (e.g. ``aux: {media: filesystem://media}``).
+
+Cookers must be `@stateless` (Energon re-runs them on restore) and need the task encoder's
+``decoder = None`` (raw bytes: decoding is ours, and lazy).
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from typing import Any
+
+from megatron.energon import Cooker, basic_sample_keys, stateless
+
+from mmpack.energon.media import MediaHandle
+from mmpack.energon.samples import Conversation, Part, Turn
+from mmpack.errors import SampleFormatError
+
+__all__ = ["FRAGMENTS", "GENERIC", "cook_fragments", "cook_generic", "default_cookers"]
+
+GENERIC = "generic"
+FRAGMENTS = "fragments"
+FORMAT_SUBFLAVOR = "mmpack_format"
+PLACEHOLDERS = {"<image>": "image", "<audio>": "audio"}
+_PLACEHOLDER_RE = re.compile("(" + "|".join(re.escape(p) for p in PLACEHOLDERS) + ")")
+
+
+def _load_json(raw: dict[str, Any]) -> dict[str, Any]:
+    key = raw.get("__key__", "?")
+    data = raw.get("json")
+    if data is None:
+        raise SampleFormatError(f"sample {key!r}: no 'json' part (parts: {_parts(raw)})")
+    try:
+        obj = json.loads(data)
+    except (ValueError, TypeError) as err:
+        raise SampleFormatError(
+            f"sample {key!r}: the 'json' part is not valid JSON ({err})"
+        ) from err
+    if not isinstance(obj, dict):
+        raise SampleFormatError(f"sample {key!r}: the 'json' part must be an object")
+    return obj
+
+
+def _parts(raw: dict[str, Any]) -> list[str]:
+    return sorted(k for k in raw if not k.startswith("__"))
+
+
+@stateless
+def cook_generic(raw: dict[str, Any], **_aux: Any) -> Conversation:
+    """``messages[]`` + media manifest in one WebDataset sample -> `Conversation`."""
+    key = str(raw.get("__key__", "?"))
+    obj = _load_json(raw)
+    messages = obj.get("messages")
+    if not isinstance(messages, list):
+        raise SampleFormatError(f"sample {key!r}: 'messages' must be a list")
+    manifest = obj.get("media", [])
+    if not isinstance(manifest, list):
+        raise SampleFormatError(f"sample {key!r}: 'media' must be a list")
+    shard = str(raw.get("__shard__", ""))
+    next_media = 0
+    turns = []
+    for m_idx, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise SampleFormatError(f"sample {key!r}: message {m_idx} needs a string 'role'")
+        content = message.get("content", "")
+        if not isinstance(content, str):
+            raise SampleFormatError(f"sample {key!r}: message {m_idx} 'content' must be a string")
+        parts: list[Part] = []
+        for piece in _PLACEHOLDER_RE.split(content):
+            if not piece:
+                continue
+            kind = PLACEHOLDERS.get(piece)
+            if kind is None:
+                parts.append(Part(text=piece))
+                continue
+            if next_media >= len(manifest):
+                raise SampleFormatError(
+                    f"sample {key!r}: message {m_idx} has a {piece} placeholder but the media "
+                    f"manifest has only {len(manifest)} entries"
+                )
+            entry = manifest[next_media]
+            next_media += 1
+            if not isinstance(entry, dict) or not isinstance(entry.get("name"), str):
+                raise SampleFormatError(
+                    f"sample {key!r}: media entry {next_media - 1} needs a 'name'"
+                )
+            if entry.get("kind", kind) != kind:
+                raise SampleFormatError(
+                    f"sample {key!r}: placeholder {piece} refers to media entry "
+                    f"{entry['name']!r} of kind {entry.get('kind')!r}"
+                )
+            name = entry["name"]
+            data = raw.get(name)
+            if not isinstance(data, (bytes, bytearray)):
+                raise SampleFormatError(
+                    f"sample {key!r}: media {name!r} from the manifest is not a part of the sample "
+                    f"(parts: {_parts(raw)})"
+                )
+            parts.append(
+                Part(
+                    media=MediaHandle(
+                        kind=kind,
+                        key=name,
+                        identity=f"{shard}/{key}/{name}",
+                        sample_key=key,
+                        data=bytes(data),
+                        meta=entry,
+                    )
+                )
+            )
+        turns.append(Turn(role=message["role"], parts=tuple(parts)))
+    return Conversation(**basic_sample_keys(raw), source_format=GENERIC, turns=turns)
+
+
+@stateless
+def cook_fragments(raw: dict[str, Any], *, media: Any = None, **_aux: Any) -> Conversation:
+    """``conversation[].fragments[]`` with per-fragment ``trainable`` and media keys into the
+    auxiliary media store ``media`` -> `Conversation`."""
+    key = str(raw.get("__key__", "?"))
+    obj = _load_json(raw)
+    conversation = obj.get("conversation")
+    if not isinstance(conversation, list):
+        raise SampleFormatError(f"sample {key!r}: 'conversation' must be a list")
+    turns = []
+    for t_idx, turn in enumerate(conversation):
+        if not isinstance(turn, dict) or not isinstance(turn.get("role"), str):
+            raise SampleFormatError(f"sample {key!r}: turn {t_idx} needs a string 'role'")
+        fragments = turn.get("fragments")
+        if not isinstance(fragments, list):
+            raise SampleFormatError(f"sample {key!r}: turn {t_idx} needs a 'fragments' list")
+        parts: list[Part] = []
+        for f_idx, frag in enumerate(fragments):
+            if not isinstance(frag, dict):
+                raise SampleFormatError(
+                    f"sample {key!r}: fragment {t_idx}.{f_idx} is not an object"
+                )
+            if "media" in frag:
+                mkey = frag["media"]
+                if not isinstance(mkey, str):
+                    raise SampleFormatError(
+                        f"sample {key!r}: fragment {t_idx}.{f_idx} media key must be a string"
+                    )
+                if media is None:
+                    raise SampleFormatError(
+                        f"sample {key!r}: fragment {t_idx}.{f_idx} references media {mkey!r} but "
+                        "the dataset has no auxiliary media store named 'media' (add "
+                        "`aux: {media: ...}` to the metadataset entry)"
+                    )
+                kind = frag.get("kind", "image")
+                parts.append(
+                    Part(
+                        media=MediaHandle(
+                            kind=kind,
+                            key=mkey,
+                            identity=f"media-store/{mkey}",
+                            sample_key=key,
+                            store=media,
+                            meta=frag,
+                        )
+                    )
+                )
+            else:
+                text = frag.get("text")
+                trainable = frag.get("trainable", False)
+                if not isinstance(text, str) or not isinstance(trainable, bool):
+                    raise SampleFormatError(
+                        f"sample {key!r}: fragment {t_idx}.{f_idx} needs 'text' (string) and "
+                        "'trainable' (bool)"
+                    )
+                parts.append(Part(text=text, trainable=trainable))
+        turns.append(Turn(role=turn["role"], parts=tuple(parts)))
+    return Conversation(**basic_sample_keys(raw), source_format=FRAGMENTS, turns=turns)
+
+
+def default_cookers() -> list[Cooker]:
+    """Cookers selected by the ``mmpack_format`` subflavor (``generic`` when absent)."""
+    return [
+        Cooker(cook_fragments, has_subflavors={FORMAT_SUBFLAVOR: FRAGMENTS}),
+        Cooker(cook_generic),
+    ]

@@ -1,0 +1,79 @@
+"""Sample types that flow through the Energon pipeline.
+
+`Conversation` (cooked, media lazy) -> `EncodedConversation` (tokens, mask inputs, media handles;
+after `postencode_sample` also the decoded media) -> `SftPack` (one `mmpack.batch.PackedBatch`) ->
+`SftBatch` (``batch_size`` packs, or padded rows when packing is off).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from megatron.energon import Batch, Sample, edataclass
+
+from mmpack.energon.media import MediaHandle
+
+__all__ = ["Conversation", "EncodedConversation", "Part", "SftBatch", "SftPack", "Turn"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Part:
+    """One piece of a turn: text (with its optional per-fragment ``trainable`` flag) or media."""
+
+    text: str | None = None
+    media: MediaHandle | None = None
+    trainable: bool | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Turn:
+    role: str
+    parts: tuple[Part, ...]
+
+
+@edataclass
+class Conversation(Sample):
+    """A cooked conversation; media parts are undecoded `MediaHandle`s."""
+
+    source_format: str
+    turns: list[Turn]
+
+
+@edataclass
+class EncodedConversation(Sample):
+    """Tokens and mask inputs of one conversation; media still lazy until `postencode_sample`."""
+
+    token_ids: Any  # np.ndarray[int64]
+    loss_mask: Any  # np.ndarray[int8] or None (roles mode)
+    message_lengths: Any  # np.ndarray[int64] or None (precomputed mode)
+    message_roles: list[str] | None
+    media: list[MediaHandle]
+    media_units: int
+    #: filled by postencode_sample: {"pixel_values": PackedTensor (one row)}, or None
+    decoded_media: dict[str, Any] | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@edataclass
+class SftPack(Sample):
+    """One packed sequence."""
+
+    packed: Any  # mmpack.batch.PackedBatch
+    sample_keys: list[str]
+    num_tokens: int
+    capacity: int
+
+
+@edataclass
+class SftBatch(Batch):
+    """What the trainer receives: `packs` (packing on) or `padded` rows (packing off)."""
+
+    sample_keys: list[str]
+    num_tokens: int
+    token_slots: int
+    packs: list[Any] | None = None
+    padded: dict[str, Any] | None = None

@@ -1,0 +1,69 @@
+"""Helpers for testing task encoders without a running loader (lesson 3: hooks decorated with
+``@stateless(restore_seeds=True)`` need an active Energon `WorkerConfig`; tests get one from
+`active_worker`, e.g. in a fixture) and for comparing packed batches."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+from megatron.energon import WorkerConfig
+
+__all__ = ["active_worker", "batch_digest", "pack_digest"]
+
+
+@contextlib.contextmanager
+def active_worker(
+    worker_config: WorkerConfig | None = None, *, sample_index: int = 0
+) -> Iterator[WorkerConfig]:
+    """Activate a `WorkerConfig` as Energon does inside a loader worker, so hooks that read
+    ``current_sample_index`` or seed from the worker (``restore_seeds=True``) can be called
+    directly."""
+    config = worker_config or WorkerConfig(rank=0, world_size=1, num_workers=0)
+    config.worker_activate(sample_index)
+    try:
+        yield config
+    finally:
+        config.worker_deactivate()
+
+
+def _tensor_list(value: Any) -> Any:
+    return value.tolist() if hasattr(value, "tolist") else value
+
+
+def pack_digest(pack: Any) -> tuple[Any, ...]:
+    """Everything the trainer sees in one `PackedBatch`, as plain Python values (for equality)."""
+    media = []
+    for key in sorted(pack.media):
+        value = pack.media[key]
+        tensors = [None if t is None else _tensor_list(t) for t in value.tensors]
+        media.append(
+            (
+                key,
+                tensors,
+                list(value._row_offsets or []),
+                list(value._segment_indices or []),
+                [bytes(p) for p in (value._segment_provenance or [])],
+            )
+        )
+    return (
+        tuple(pack.sample_ids),
+        _tensor_list(pack.input_ids),
+        _tensor_list(pack.labels),
+        _tensor_list(pack.loss_mask),
+        _tensor_list(pack.position_ids),
+        _tensor_list(pack.cu_seqlens),
+        _tensor_list(pack.cu_seqlens_padded),
+        int(pack.max_seqlen),
+        tuple(media),
+    )
+
+
+def batch_digest(batch: Any) -> tuple[Any, ...]:
+    """`pack_digest` of every pack of an `SftBatch` (or its padded tensors)."""
+    if batch.packs is not None:
+        return tuple(pack_digest(p) for p in batch.packs)
+    return tuple(
+        (k, _tensor_list(v)) for k, v in sorted(batch.padded.items()) if hasattr(v, "tolist")
+    )

@@ -1,1 +1,0 @@
-//! Bin-packing algorithms and constraints.

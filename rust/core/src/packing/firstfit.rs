@@ -1,0 +1,212 @@
+//! Next fit (`concatenative`) and first fit in a given order, with a segment tree over
+//! bins (creation order) holding the largest remaining capacity, so each placement is
+//! `O(log bins)` instead of NeMo-RL's linear scan. The bins and their order are exactly
+//! those of the linear scan: the query returns the leftmost bin that fits.
+
+use super::{capacity_indexable, Bins, Problem};
+
+/// Next fit in input order: a new bin starts when the item does not fit the current one
+/// (or the current one holds `max_items`). Empty bins are never emitted.
+pub(crate) fn concatenative(p: &Problem<'_>) -> Bins {
+    let n = p.lens.len();
+    let mut offsets = Vec::with_capacity(n / 2 + 2);
+    offsets.push(0usize);
+    let mut load: i64 = 0;
+    let mut mload: i64 = 0;
+    let mut count: usize = 0;
+    for (i, &l) in p.lens.iter().enumerate() {
+        let m = p.media.map_or(0, |md| md[i]);
+        let fits = load + l <= p.capacity && mload + m <= p.media_capacity && count < p.max_items;
+        if !fits && count > 0 {
+            offsets.push(i);
+            load = 0;
+            mload = 0;
+            count = 0;
+        }
+        load += l;
+        mload += m;
+        count += 1;
+    }
+    if count > 0 {
+        offsets.push(n);
+    }
+    Bins {
+        offsets,
+        items: (0..n as u32).collect(),
+        loads: None,
+    }
+}
+
+/// Items sorted by length descending; ties by index descending (`ties_high_first`, NeMo-RL's
+/// `sort(reverse=True)` on `(length, index)`) or ascending.
+pub(crate) fn decreasing_order(lens: &[i64], capacity: i64, ties_high_first: bool) -> Vec<u32> {
+    let n = lens.len();
+    if capacity_indexable(capacity, n) {
+        // Counting sort: O(n + C).
+        let c = capacity as usize;
+        let mut start = vec![0u32; c + 2];
+        for &l in lens {
+            start[c - l as usize + 1] += 1;
+        }
+        for k in 1..start.len() {
+            start[k] += start[k - 1];
+        }
+        let mut order = vec![0u32; n];
+        let mut place = |i: usize| {
+            let slot = &mut start[c - lens[i] as usize];
+            order[*slot as usize] = i as u32;
+            *slot += 1;
+        };
+        if ties_high_first {
+            (0..n).rev().for_each(&mut place);
+        } else {
+            (0..n).for_each(&mut place);
+        }
+        order
+    } else {
+        let mut order: Vec<u32> = (0..n as u32).collect();
+        if ties_high_first {
+            order.sort_unstable_by_key(|&i| std::cmp::Reverse((lens[i as usize], i)));
+        } else {
+            order.sort_unstable_by_key(|&i| (std::cmp::Reverse(lens[i as usize]), i));
+        }
+        order
+    }
+}
+
+/// Max segment tree over bins; leaves hold the remaining capacity (or `CLOSED`).
+struct MaxTree {
+    size: usize,
+    tok: Vec<i64>,
+    med: Vec<i64>,
+}
+
+const CLOSED: i64 = i64::MIN;
+
+impl MaxTree {
+    fn new(with_media: bool) -> Self {
+        let size = 64;
+        Self {
+            size,
+            tok: vec![CLOSED; 2 * size],
+            med: if with_media {
+                vec![CLOSED; 2 * size]
+            } else {
+                Vec::new()
+            },
+        }
+    }
+
+    fn grow(&mut self) {
+        let old = self.size;
+        let size = old * 2;
+        let rebuild = |v: &Vec<i64>| -> Vec<i64> {
+            if v.is_empty() {
+                return Vec::new();
+            }
+            let mut t = vec![CLOSED; 2 * size];
+            t[size..size + old].copy_from_slice(&v[old..2 * old]);
+            for k in (1..size).rev() {
+                t[k] = t[2 * k].max(t[2 * k + 1]);
+            }
+            t
+        };
+        self.tok = rebuild(&self.tok);
+        self.med = rebuild(&self.med);
+        self.size = size;
+    }
+
+    fn set(&mut self, bin: usize, tok: i64, med: i64) {
+        let mut k = self.size + bin;
+        self.tok[k] = tok;
+        let with_media = !self.med.is_empty();
+        if with_media {
+            self.med[k] = med;
+        }
+        while k > 1 {
+            k /= 2;
+            self.tok[k] = self.tok[2 * k].max(self.tok[2 * k + 1]);
+            if with_media {
+                self.med[k] = self.med[2 * k].max(self.med[2 * k + 1]);
+            }
+        }
+    }
+
+    /// Leftmost bin with remaining `>= l` (tokens only).
+    fn leftmost(&self, l: i64) -> Option<usize> {
+        if self.tok[1] < l {
+            return None;
+        }
+        let mut k = 1;
+        while k < self.size {
+            k = if self.tok[2 * k] >= l {
+                2 * k
+            } else {
+                2 * k + 1
+            };
+        }
+        Some(k - self.size)
+    }
+
+    /// Leftmost bin with remaining tokens `>= l` and remaining media `>= m`. Subtrees whose
+    /// maxima fail either budget are pruned; a subtree can pass both maxima without holding
+    /// a bin that fits both, so this may visit more than one path.
+    fn leftmost2(&self, l: i64, m: i64) -> Option<usize> {
+        let mut stack = vec![1usize];
+        while let Some(k) = stack.pop() {
+            if self.tok[k] < l || self.med[k] < m {
+                continue;
+            }
+            if k >= self.size {
+                return Some(k - self.size);
+            }
+            stack.push(2 * k + 1);
+            stack.push(2 * k);
+        }
+        None
+    }
+}
+
+/// First fit in `order`: each item goes to the first bin (creation order) that fits every
+/// budget, else to a new bin.
+pub(crate) fn first_fit(p: &Problem<'_>, order: &[u32]) -> Bins {
+    let with_media = p.media.is_some();
+    let mut tree = MaxTree::new(with_media);
+    let mut counts: Vec<usize> = Vec::new();
+    let mut tok_rem: Vec<i64> = Vec::new();
+    let mut med_rem: Vec<i64> = Vec::new();
+    let mut log: Vec<(u32, u32)> = Vec::with_capacity(order.len());
+    for &it in order {
+        let i = it as usize;
+        let l = p.lens[i];
+        let m = p.media.map_or(0, |md| md[i]);
+        let found = if with_media {
+            tree.leftmost2(l, m)
+        } else {
+            tree.leftmost(l)
+        };
+        let bin = match found {
+            Some(b) => b,
+            None => {
+                let b = counts.len();
+                if b >= tree.size {
+                    tree.grow();
+                }
+                counts.push(0);
+                tok_rem.push(p.capacity);
+                med_rem.push(p.media_capacity);
+                b
+            }
+        };
+        counts[bin] += 1;
+        tok_rem[bin] -= l;
+        med_rem[bin] -= m;
+        if counts[bin] >= p.max_items {
+            tree.set(bin, CLOSED, CLOSED);
+        } else {
+            tree.set(bin, tok_rem[bin], med_rem[bin]);
+        }
+        log.push((bin as u32, it));
+    }
+    Bins::from_log(counts.len(), &log, None)
+}

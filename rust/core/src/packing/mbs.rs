@@ -1,0 +1,139 @@
+//! Minimum bin slack (Gupta & Ho; Fleszar & Hindi's MBS'), bounded: bins are built one at
+//! a time; each takes the largest remaining item, then a depth-first search over the
+//! remaining sizes (largest first, sizes non-increasing along a path) looks for the subset
+//! that leaves the least slack, stopping at zero slack or after `budget` search nodes.
+//!
+//! Cost: `O(n log n)` to group sizes, plus at most `budget` nodes per bin, each an
+//! `O(log_64 D)` bitset query (D distinct sizes): `O(n log n + bins * budget * log D)`.
+//! `pack` runs best-fit decreasing as well and keeps whichever result has fewer bins, so
+//! this is never worse than best fit.
+
+use super::bitset::Bitset;
+use super::{Bins, Problem};
+
+struct Search<'a> {
+    sizes: &'a [i64],
+    cnt: Vec<u32>,
+    bits: Bitset,
+    budget: usize,
+    chosen: Vec<usize>,
+    best: Vec<usize>,
+    best_rem: i64,
+}
+
+impl Search<'_> {
+    /// Largest rank `<= max_rank` whose size fits `rem` and which has items left.
+    fn candidate(&self, max_rank: usize, rem: i64) -> Option<usize> {
+        let fit = self.sizes.partition_point(|&s| s <= rem).checked_sub(1)?;
+        self.bits.predecessor(fit.min(max_rank))
+    }
+
+    fn take(&mut self, r: usize) {
+        self.cnt[r] -= 1;
+        if self.cnt[r] == 0 {
+            self.bits.remove(r);
+        }
+    }
+
+    fn give_back(&mut self, r: usize) {
+        if self.cnt[r] == 0 {
+            self.bits.insert(r);
+        }
+        self.cnt[r] += 1;
+    }
+
+    fn dfs(&mut self, max_rank: usize, rem: i64, depth_left: usize) {
+        if rem < self.best_rem {
+            self.best_rem = rem;
+            self.best.clone_from(&self.chosen);
+        }
+        if rem == 0 || depth_left == 0 {
+            return;
+        }
+        let mut next = self.candidate(max_rank, rem);
+        while let Some(r) = next {
+            if self.budget == 0 || self.best_rem == 0 {
+                return;
+            }
+            self.budget -= 1;
+            self.take(r);
+            self.chosen.push(r);
+            self.dfs(r, rem - self.sizes[r], depth_left - 1);
+            self.chosen.pop();
+            self.give_back(r);
+            next = r.checked_sub(1).and_then(|h| self.bits.predecessor(h));
+        }
+    }
+}
+
+pub(crate) fn minimum_bin_slack(p: &Problem<'_>, budget: usize) -> Bins {
+    let n = p.lens.len();
+    // Distinct sizes ascending; items grouped by size rank, ascending index within a group.
+    let mut sizes: Vec<i64> = p.lens.to_vec();
+    sizes.sort_unstable();
+    sizes.dedup();
+    let d = sizes.len();
+    let rank_of = |l: i64| sizes.partition_point(|&s| s < l);
+    let mut group_start = vec![0usize; d + 1];
+    let ranks: Vec<u32> = p.lens.iter().map(|&l| rank_of(l) as u32).collect();
+    for &r in &ranks {
+        group_start[r as usize + 1] += 1;
+    }
+    for k in 0..d {
+        group_start[k + 1] += group_start[k];
+    }
+    let mut grouped = vec![0u32; n];
+    let mut fill = group_start.clone();
+    for (i, &r) in ranks.iter().enumerate() {
+        grouped[fill[r as usize]] = i as u32;
+        fill[r as usize] += 1;
+    }
+    let cnt: Vec<u32> = (0..d)
+        .map(|r| (group_start[r + 1] - group_start[r]) as u32)
+        .collect();
+    let mut bits = Bitset::new(d.max(1));
+    for (r, &c) in cnt.iter().enumerate() {
+        if c > 0 {
+            bits.insert(r);
+        }
+    }
+    let mut taken = vec![0usize; d];
+    let mut s = Search {
+        sizes: &sizes,
+        cnt,
+        bits,
+        budget: 0,
+        chosen: Vec::new(),
+        best: Vec::new(),
+        best_rem: 0,
+    };
+    let mut offsets = Vec::with_capacity(n / 2 + 2);
+    let mut items = Vec::with_capacity(n);
+    offsets.push(0usize);
+    let mut take_item = |r: usize, items: &mut Vec<u32>| {
+        items.push(grouped[group_start[r] + taken[r]]);
+        taken[r] += 1;
+    };
+    while let Some(seed) = d.checked_sub(1).and_then(|top| s.bits.predecessor(top)) {
+        s.take(seed);
+        take_item(seed, &mut items);
+        let rem = p.capacity - sizes[seed];
+        s.budget = budget;
+        s.chosen.clear();
+        s.best.clear();
+        s.best_rem = rem;
+        s.dfs(seed, rem, p.max_items.saturating_sub(1));
+        let best = std::mem::take(&mut s.best);
+        for &r in &best {
+            s.take(r);
+            take_item(r, &mut items);
+        }
+        s.best = best;
+        offsets.push(items.len());
+    }
+    Bins {
+        offsets,
+        items,
+        loads: None,
+    }
+}

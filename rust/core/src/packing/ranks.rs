@@ -1,0 +1,117 @@
+//! Distributing bins over data-parallel ranks: longest-processing-time first (bins by cost
+//! descending, each to the least-loaded rank), with each rank taking at most
+//! `ceil(bins / ranks)` bins so bin counts differ by at most one (equal when the bin count
+//! is a multiple of the rank count). Each rank's bins come out largest cost first.
+
+use std::cmp::Reverse;
+use std::collections::BinaryHeap;
+
+use crate::error::{CoreError, CoreResult};
+
+/// What a bin costs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RankCost {
+    /// Sum of lengths.
+    Tokens,
+    /// Sum of squared lengths (attention cost).
+    TokensSquared,
+}
+
+impl RankCost {
+    /// # Errors
+    /// `PackingArgument` for an unknown name.
+    pub fn from_name(name: &str) -> CoreResult<Self> {
+        match name {
+            "tokens" => Ok(Self::Tokens),
+            "tokens_squared" => Ok(Self::TokensSquared),
+            _ => Err(CoreError::PackingArgument {
+                name: "cost",
+                detail: format!("unknown cost {name:?}; known: tokens, tokens_squared"),
+            }),
+        }
+    }
+}
+
+/// Ranks as CSR over bin indices, plus per-rank and per-bin costs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RankAssignment {
+    pub rank_offsets: Vec<i64>,
+    pub bin_indices: Vec<i64>,
+    pub rank_costs: Vec<i64>,
+    pub bin_costs: Vec<i64>,
+}
+
+/// Assigns the bins of a packing (`bin_offsets` over `item_indices`, lengths indexed by item)
+/// to `num_ranks` ranks.
+///
+/// # Errors
+/// `PackingArgument` for `num_ranks == 0` or malformed CSR / item indices, `IndexOverflow`
+/// when a cost overflows `i64`.
+pub fn assign_to_ranks(
+    bin_offsets: &[i64],
+    item_indices: &[i64],
+    lengths: &[i64],
+    num_ranks: usize,
+    cost: RankCost,
+) -> CoreResult<RankAssignment> {
+    let arg = |name: &'static str, detail: String| CoreError::PackingArgument { name, detail };
+    if num_ranks == 0 {
+        return Err(arg("num_ranks", "must be a positive integer, got 0".into()));
+    }
+    let overflow = || CoreError::IndexOverflow { what: "bin costs" };
+    let nb = bin_offsets.len().saturating_sub(1);
+    let mut bin_costs = Vec::with_capacity(nb);
+    for w in bin_offsets.windows(2) {
+        let (a, b) = (usize::try_from(w[0]), usize::try_from(w[1]));
+        let slice = match (a, b) {
+            (Ok(a), Ok(b)) if a <= b => item_indices.get(a..b),
+            _ => None,
+        }
+        .ok_or_else(|| arg("bin_offsets", format!("bad bin range {}..{}", w[0], w[1])))?;
+        let mut total: i64 = 0;
+        for &it in slice {
+            let l = usize::try_from(it)
+                .ok()
+                .and_then(|u| lengths.get(u))
+                .copied()
+                .ok_or_else(|| arg("item_indices", format!("item {it} is out of range")))?;
+            let c = match cost {
+                RankCost::Tokens => l,
+                RankCost::TokensSquared => l.checked_mul(l).ok_or_else(overflow)?,
+            };
+            total = total.checked_add(c).ok_or_else(overflow)?;
+        }
+        bin_costs.push(total);
+    }
+    let mut order: Vec<usize> = (0..nb).collect();
+    order.sort_by_key(|&b| (Reverse(bin_costs[b]), b));
+    let cap = nb.div_ceil(num_ranks).max(1);
+    let mut heap: BinaryHeap<Reverse<(i64, usize)>> =
+        (0..num_ranks).map(|r| Reverse((0, r))).collect();
+    let mut per_rank: Vec<Vec<i64>> = vec![Vec::new(); num_ranks];
+    let mut rank_costs = vec![0i64; num_ranks];
+    for b in order {
+        let Some(Reverse((load, r))) = heap.pop() else {
+            break;
+        };
+        let load = load.checked_add(bin_costs[b]).ok_or_else(overflow)?;
+        per_rank[r].push(b as i64);
+        rank_costs[r] = load;
+        if per_rank[r].len() < cap {
+            heap.push(Reverse((load, r)));
+        }
+    }
+    let mut rank_offsets = Vec::with_capacity(num_ranks + 1);
+    let mut bin_indices = Vec::with_capacity(nb);
+    rank_offsets.push(0);
+    for bins in per_rank {
+        bin_indices.extend(bins);
+        rank_offsets.push(bin_indices.len() as i64);
+    }
+    Ok(RankAssignment {
+        rank_offsets,
+        bin_indices,
+        rank_costs,
+        bin_costs,
+    })
+}

@@ -1,0 +1,149 @@
+"""PackingEncoderConfig, startup validation and the shipped example configs (no loader)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("megatron.energon")
+
+from mmpack.energon import PackingEncoderConfig, PackingTaskEncoder, resolve_media_settings
+from mmpack.energon.synthetic import build_tokenizer
+from mmpack.errors import EnergonConfigError, MmpackError, ModalityConfigError
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "configs"
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    return build_tokenizer()
+
+
+def test_defaults_are_finite_and_valid() -> None:
+    cfg = PackingEncoderConfig()
+    assert cfg.failure_tolerance == 100
+    assert cfg.max_consecutive_skips >= 1
+    assert cfg.loss_mask_mode is None
+    assert PackingEncoderConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_unknown_field_suggests_the_closest_name() -> None:
+    with pytest.raises(
+        EnergonConfigError, match=r"unknown field 'capacty' \(did you mean 'capacity'\?\)"
+    ):
+        PackingEncoderConfig.from_dict({"capacty": 10})
+
+
+@pytest.mark.parametrize(
+    ("field", "replacement"),
+    [
+        ("max_seq_length", "capacity"),
+        ("packing_buffer", "packing_buffer_size"),
+        ("max_items_per_bin", "max_samples_per_pack"),
+        ("media_capacity", "media_budget"),
+        ("model_family", "loss_mask_mode"),
+    ],
+)
+def test_retired_field_names_its_replacement(field: str, replacement: str) -> None:
+    with pytest.raises(
+        EnergonConfigError, match=rf"field '{field}' was retired; use .*{replacement}"
+    ):
+        PackingEncoderConfig.from_dict({field: 1})
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"capacity": 0}, "capacity must be a positive integer"),
+        ({"capacity": 1.5}, "capacity must be a positive integer"),
+        ({"packing_buffer_size": True}, "packing_buffer_size must be a positive integer"),
+        ({"loss_mask_mode": "roles"}, "loss_mask_mode must be None"),
+        ({"on_oversize": "drop"}, "on_oversize must be one of"),
+        ({"modalities": ["video"]}, "unknown modality 'video'"),
+        ({"modalities": "image"}, "modalities must be a list"),
+        ({"train_roles": []}, "train_roles must be a non-empty list"),
+        ({"max_consecutive_skips": 0}, "Energon hangs silently"),
+        ({"failure_tolerance": -3}, "failure_tolerance must be a positive integer"),
+    ],
+)
+def test_invalid_values_are_typed_errors(changes: dict[str, Any], message: str) -> None:
+    with pytest.raises(EnergonConfigError, match=message) as info:
+        PackingEncoderConfig().replace(**changes)
+    assert isinstance(info.value, MmpackError)
+    assert isinstance(info.value, ValueError)
+
+
+def test_from_yaml_names_the_file(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("capacity: 128\nseq_length: 4096\n")
+    with pytest.raises(EnergonConfigError, match=r"bad\.yaml: field 'seq_length' was retired"):
+        PackingEncoderConfig.from_yaml(path)
+    path.write_text("")
+    assert PackingEncoderConfig.from_yaml(path) == PackingEncoderConfig()
+
+
+def test_example_configs_exist() -> None:
+    assert len(sorted(EXAMPLES.glob("*.yaml"))) >= 3
+
+
+@pytest.mark.parametrize("path", sorted(EXAMPLES.glob("*.yaml")), ids=lambda p: p.name)
+def test_every_example_config_builds_an_encoder(path: Path, tokenizer: Any) -> None:
+    cfg = PackingEncoderConfig.from_yaml(path)
+    encoder = PackingTaskEncoder(cfg, tokenizer=tokenizer, processor={"patch_size": 16})
+    assert encoder.config == cfg
+    assert encoder.__default_failure_tolerance__ == cfg.failure_tolerance > 0
+
+
+def test_encoder_rejects_invalid_packing_options_at_construction(tokenizer: Any) -> None:
+    cfg = PackingEncoderConfig(algorithm="no_such_algorithm")
+    with pytest.raises(EnergonConfigError, match="packing options rejected"):
+        PackingTaskEncoder(cfg, tokenizer=tokenizer, processor={"patch_size": 16})
+
+
+def test_encoder_rejects_a_plain_dict_config(tokenizer: Any) -> None:
+    with pytest.raises(EnergonConfigError, match=r"PackingEncoderConfig\.from_dict"):
+        PackingTaskEncoder({"capacity": 8}, tokenizer=tokenizer)  # type: ignore[arg-type]
+
+
+def test_tokenizer_without_special_tokens_is_refused(tokenizer: Any) -> None:
+    from tokenizers import Tokenizer
+    from tokenizers.models import WordLevel
+    from transformers import PreTrainedTokenizerFast
+
+    bare = PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer(WordLevel(vocab={"<unk>": 0, "a": 1}, unk_token="<unk>"))
+    )
+    with pytest.raises(EnergonConfigError, match=r"lacks the special tokens .*<\|user\|>"):
+        PackingTaskEncoder(PackingEncoderConfig(), tokenizer=bare, processor={"patch_size": 16})
+
+
+def test_reference_backend_refuses_budgets_it_does_not_implement(tokenizer: Any) -> None:
+    cfg = PackingEncoderConfig(algorithm="first_fit_decreasing", media_budget=100)
+    with pytest.raises(EnergonConfigError, match="reference packer"):
+        PackingTaskEncoder(
+            cfg, tokenizer=tokenizer, processor={"patch_size": 16}, backend="reference"
+        )
+    with pytest.raises(EnergonConfigError, match="backend must be"):
+        PackingTaskEncoder(
+            PackingEncoderConfig(),
+            tokenizer=tokenizer,
+            processor={"patch_size": 16},
+            backend="fast",
+        )
+
+
+def test_image_settings_are_found_on_nested_processors() -> None:
+    class ImageProcessor:
+        def __init__(self) -> None:
+            self.patch_size = {"height": 14, "width": 14}
+
+    class Processor:
+        image_processor = ImageProcessor()
+
+    assert resolve_media_settings(Processor(), ["image"]).image_patch_size == 14
+    with pytest.raises(ModalityConfigError, match="image_patch_size"):
+        resolve_media_settings({"patch_size": 0}, ["image"])
+    with pytest.raises(ModalityConfigError, match="image_patch_size"):
+        resolve_media_settings(None, ["image"])

@@ -1,0 +1,380 @@
+"""Native materialization (``mmpack._materialize``) against the plain torch path.
+
+The oracle is NeMo-RL's algorithm as the plain-Python reference ``PackedTensor`` implements it
+(``mmpack._reference.packed_tensor``): build the logical list, drop ``None`` s, pad, ``torch.cat``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from mmpack import _materialize, _native
+from mmpack._reference.packed_tensor import PackedTensor as RefPT
+from mmpack.errors import (
+    GatherIndexError,
+    GatherSizeError,
+    MmpackError,
+    OutBufferError,
+    PinMemoryUnavailableError,
+)
+
+DTYPES = [
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+    torch.float8_e4m3fn,
+    torch.complex64,
+]
+
+
+def _rand(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    if dtype == torch.bool:
+        return torch.randint(0, 2, shape, generator=gen).bool()
+    if dtype.is_floating_point or dtype.is_complex:
+        base = torch.randn(shape, generator=gen, dtype=torch.float32) * 4
+        return base.to(dtype)
+    info = torch.iinfo(dtype)
+    return torch.randint(max(info.min, -1000), min(info.max, 1000), shape, generator=gen).to(dtype)
+
+
+def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    if a is None or b is None:
+        return a is None and b is None
+    if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
+        return False
+    # byte-exact (NaN-safe, fp8-safe)
+    return bool(torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)))
+
+
+def _native_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    calls: list[int] = []
+    real = _native.gather_into
+
+    def counting(*args: Any, **kwargs: Any) -> None:
+        calls.append(1)
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(_materialize._native, "gather_into", counting)
+    return calls
+
+
+def _reference(
+    tensors: list[Any], indices: list[int] | None, dim: int, pad: bool
+) -> torch.Tensor | None:
+    if indices is None:
+        ref = RefPT(list(tensors), dim, pad_to_max_shape=pad)
+    else:
+        ref = RefPT(
+            list(tensors),
+            dim,
+            pad_to_max_shape=pad,
+            _row_offsets=list(range(len(indices) + 1)),
+            _segment_indices=list(indices),
+        )
+    return ref.as_tensor()
+
+
+def _ours(
+    tensors: list[Any], indices: list[int] | None, dim: int, pad: bool, **kw: Any
+) -> torch.Tensor | None:
+    order = None if indices is None else np.asarray(indices, dtype=np.int64)
+    return _materialize.as_tensor(list(tensors), order, dim, pad, **kw)
+
+
+# ------------------------------------------------------------------------------------ examples
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_every_dtype_matches_torch_cat(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
+    gen = torch.Generator().manual_seed(1)
+    segs: list[Any] = [_rand((3, 5), dtype, gen), None, _rand((2, 5), dtype, gen)]
+    indices = [0, 1, 2, 0, 2, 2, 1]
+    calls = _native_calls(monkeypatch)
+    got = _ours(segs, indices, 0, False)
+    assert calls, "the native gather was not used"
+    assert _same(got, _reference(segs, indices, 0, False))
+
+
+@pytest.mark.parametrize("dim", [1, -1, 2, -2, 0, -3])
+def test_non_leading_pack_dim_is_strided_placement(dim: int) -> None:
+    gen = torch.Generator().manual_seed(2)
+    base = [(2, 3, 4), (2, 3, 4)]
+    segs: list[Any] = []
+    for shape in base:
+        shape_l = list(shape)
+        shape_l[dim] += len(segs)  # vary the pack dim only
+        segs.append(_rand(tuple(shape_l), torch.float32, gen))
+    indices = [1, 0, 1, 1]
+    got = _ours(segs, indices, dim, False)
+    ref = _reference(segs, indices, dim, False)
+    assert got is not None and ref is not None
+    assert _same(got, ref)
+
+
+def test_non_contiguous_segments() -> None:
+    gen = torch.Generator().manual_seed(3)
+    a = _rand((6, 4), torch.float32, gen).t()  # (4, 6), transposed
+    b = _rand((5, 12), torch.float32, gen)[:, ::2]  # (5, 6), strided
+    c = _rand((2, 3, 6), torch.float32, gen)[1]  # (3, 6), offset view
+    segs: list[Any] = [a, b, c]
+    for dim in (0, -2):
+        got = _ours(segs, [2, 0, 1, 0], dim, False)
+        assert _same(got, _reference(segs, [2, 0, 1, 0], dim, False))
+    assert not a.is_contiguous()  # inputs untouched
+
+
+@pytest.mark.parametrize("dim", [0, 1, -1, -2])
+def test_pad_to_max_shape(dim: int) -> None:
+    gen = torch.Generator().manual_seed(4)
+    segs: list[Any] = [
+        _rand((2, 3, 5), torch.bfloat16, gen),
+        _rand((4, 1, 2), torch.bfloat16, gen),
+        None,
+        _rand((1, 3, 3), torch.bfloat16, gen),
+    ]
+    indices = [0, 1, 2, 1, 3, 0]
+    got = _ours(segs, indices, dim, True)
+    assert _same(got, _reference(segs, indices, dim, True))
+
+
+def test_legacy_layout_and_none_rows() -> None:
+    gen = torch.Generator().manual_seed(5)
+    segs: list[Any] = [None, _rand((2, 2), torch.int64, gen), None, _rand((1, 2), torch.int64, gen)]
+    assert _same(_ours(segs, None, 0, False), _reference(segs, None, 0, False))
+
+
+@pytest.mark.parametrize(
+    ("tensors", "indices"),
+    [([None, None], None), ([None], [0, 0]), ([torch.ones(2)], []), ([], [])],
+)
+def test_nothing_left_returns_none(tensors: list[Any], indices: list[int] | None) -> None:
+    out = torch.full((3,), 7.0)
+    assert _ours(tensors, indices, 0, False, out=out) is None
+    assert torch.equal(out, torch.full((3,), 7.0))
+
+
+def test_large_output_parallel_gather() -> None:
+    gen = torch.Generator().manual_seed(6)
+    segs: list[Any] = [_rand((64, 1024), torch.float32, gen) for _ in range(3)]
+    indices = [i % 3 for i in range(40)]  # ~10 MiB, crosses the parallel threshold
+    got = _ours(segs, indices, 0, False)
+    assert _same(got, _reference(segs, indices, 0, False))
+    got_t = _ours(segs, indices, 1, False)  # strided, large
+    assert _same(got_t, _reference(segs, indices, 1, False))
+
+
+def test_zero_size_segments() -> None:
+    segs: list[Any] = [torch.zeros(0, 3), torch.ones(2, 3), torch.zeros(2, 0)]
+    assert _same(_ours(segs, [0, 1, 0], 0, False), _reference(segs, [0, 1, 0], 0, False))
+    assert _same(_ours(segs, [2, 2], 1, False), _reference(segs, [2, 2], 1, False))
+    # NeMo-RL's torch.cat quirk: 1-D empty tensors are skipped whatever the other ranks
+    quirk: list[Any] = [torch.zeros(0), torch.ones(2, 3)]
+    assert _same(_ours(quirk, [0, 1], 0, False), _reference(quirk, [0, 1], 0, False))
+
+
+# ------------------------------------------------------------------------------ out= and pinning
+
+
+def test_out_buffer_is_reused() -> None:
+    gen = torch.Generator().manual_seed(7)
+    segs: list[Any] = [_rand((3, 4), torch.float16, gen), _rand((1, 4), torch.float16, gen)]
+    first = _ours(segs, [0, 1, 1], 0, False)
+    assert first is not None
+    out = torch.empty_like(first)
+    got = _ours(segs, [1, 1, 0], 0, False, out=out)
+    assert got is out
+    assert _same(out, _reference(segs, [1, 1, 0], 0, False))
+
+
+@pytest.mark.parametrize(
+    ("make_out", "match"),
+    [
+        (lambda: torch.empty(4, 4), "shape"),
+        (lambda: torch.empty(5, 4, dtype=torch.float64), "dtype"),
+        (lambda: torch.empty(4, 5).t(), "contiguous"),
+        (lambda: [0.0] * 20, "torch.Tensor"),
+        (lambda: torch.empty(5, 4, device="meta"), "device"),
+    ],
+)
+def test_out_buffer_errors(make_out: Any, match: str) -> None:
+    segs: list[Any] = [torch.ones(3, 4), torch.ones(1, 4)]
+    with pytest.raises(OutBufferError, match=match) as info:
+        _ours(segs, [0, 1, 1], 0, False, out=make_out())
+    assert isinstance(info.value, MmpackError)
+    assert isinstance(info.value, ValueError) and isinstance(info.value, TypeError)
+
+
+def test_out_buffer_may_not_overlap_inputs() -> None:
+    buf = torch.arange(20.0)
+    segs: list[Any] = [buf[:4].reshape(2, 2)]
+    with pytest.raises(OutBufferError, match="shares memory"):
+        _ours(segs, [0, 0], 0, False, out=buf[8:16].reshape(4, 2))
+
+
+def test_out_buffer_on_fallback_path() -> None:
+    # mixed dtypes go through torch.cat (type promotion); out= still works and is checked
+    segs: list[Any] = [torch.ones(2, 2, dtype=torch.int32), torch.ones(1, 2, dtype=torch.float32)]
+    ref = _reference(segs, [0, 1], 0, False)
+    assert ref is not None and ref.dtype == torch.float32
+    out = torch.empty(3, 2)
+    assert _ours(segs, [0, 1], 0, False, out=out) is out
+    assert _same(out, ref)
+    with pytest.raises(OutBufferError, match="dtype"):
+        _ours(segs, [0, 1], 0, False, out=torch.empty(3, 2, dtype=torch.int32))
+
+
+def test_pin_memory() -> None:
+    segs: list[Any] = [torch.ones(3, 4)]
+    if torch.cuda.is_available():
+        got = _ours(segs, [0, 0], 0, False, pin_memory=True)
+        assert got is not None and got.is_pinned()
+    else:
+        with pytest.raises(PinMemoryUnavailableError, match="pin_memory=True needs a CUDA"):
+            _ours(segs, [0, 0], 0, False, pin_memory=True)
+
+
+# -------------------------------------------------------------------------- errors and fallbacks
+
+
+def test_errors_match_reference() -> None:
+    mixed_rank: list[Any] = [torch.ones(2, 2), torch.ones(2)]
+    with pytest.raises(ValueError, match=r"same rank, but received ranks \[1, 2\]"):
+        _ours(mixed_rank, [0, 1], 0, True)
+    with pytest.raises(IndexError, match="dim_to_pack=3 is invalid for tensors with rank 2"):
+        _ours([torch.ones(2, 2)], [0], 3, True)
+    with pytest.raises(IndexError, match="dim_to_pack=-3 is invalid"):
+        _ours([torch.ones(2, 2)], [0], -3, True)
+    with pytest.raises(RuntimeError, match="Sizes of tensors must match"):
+        _ours([torch.ones(2, 2), torch.ones(2, 3)], [0, 1], 0, False)
+    with pytest.raises(IndexError, match="Dimension out of range"):
+        _ours([torch.ones(2, 2)], [0], 2, False)
+    with pytest.raises(RuntimeError, match="zero-dimensional"):
+        _ours([torch.tensor(1.0)], [0, 0], 0, False)
+
+
+def test_autograd_and_mixed_dtypes_fall_back(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _native_calls(monkeypatch)
+    w = torch.ones(2, 3, requires_grad=True)
+    got = _ours([w], [0, 0], 0, False)
+    assert got is not None and got.grad_fn is not None
+    mixed: list[Any] = [torch.ones(1, 2, dtype=torch.bfloat16), torch.ones(1, 2)]
+    assert _same(_ours(mixed, [0, 1], 0, False), _reference(mixed, [0, 1], 0, False))
+    assert calls == []
+
+
+def test_device_argument_moves_tensors_in_place() -> None:
+    a = torch.ones(2, 2)
+    tensors: list[Any] = [a, None]
+    identity = id(tensors)
+    got = _materialize.as_tensor(tensors, None, 0, False, "cpu")
+    assert id(tensors) == identity and tensors[0] is a and tensors[1] is None
+    assert _same(got, a)
+    meta = _materialize.as_tensor(tensors, np.array([0, 0]), 0, False, "meta")
+    assert meta is not None and meta.device.type == "meta" and meta.shape == (4, 2)
+    assert tensors[0] is not None and tensors[0].device.type == "meta"
+
+
+def test_move_segments_cpu_and_counters() -> None:
+    a = torch.ones(2)
+    counters = _materialize.transfer_counters()
+    before = counters.total_bytes
+    moved = _materialize.move_segments([a, None, a], "cpu")
+    assert moved[0] is a and moved[2] is a and moved[1] is None
+    assert counters.total_bytes == before  # nothing crossed a bus
+    meta = _materialize.move_segments([a, None, a], "meta")
+    assert meta[0] is meta[2] and meta[0].device.type == "meta"
+    assert counters.total_bytes == before + a.numel() * a.element_size()
+    # like NeMo-RL, every non-None entry is moved with `.to`
+    with pytest.raises(AttributeError):
+        _materialize.move_segments([a, 3], "cpu")
+
+
+# ---------------------------------------------------------------------------- the binding itself
+
+
+def test_gather_into_binding_errors() -> None:
+    out = np.zeros(4, dtype=np.uint8)
+    src = np.arange(4, dtype=np.uint8)
+    _native.gather_into(out, [src], np.array([0], dtype=np.int64))
+    assert out.tolist() == [0, 1, 2, 3]
+    with pytest.raises(GatherIndexError, match=r"order\[1\] = 5 is out of range for 1"):
+        _native.gather_into(out, [src], np.array([0, 5], dtype=np.int64))
+    with pytest.raises(GatherIndexError, match=r"-1 is out of range"):
+        _native.gather_into(out, [src], np.array([-1], dtype=np.int64))
+    with pytest.raises(GatherSizeError, match="segments need 8"):
+        _native.gather_into(out, [src], np.array([0, 0], dtype=np.int64))
+    with pytest.raises(GatherSizeError, match="equal blocks"):
+        _native.gather_into(out, [src], np.array([0], dtype=np.int64), 3)
+    readonly = np.zeros(4, dtype=np.uint8)
+    readonly.setflags(write=False)
+    with pytest.raises(TypeError):
+        _native.gather_into(readonly, [src], np.array([0], dtype=np.int64))
+    with pytest.raises(TypeError):
+        _native.gather_into(out, [out], np.array([0], dtype=np.int64))
+    with pytest.raises(TypeError):
+        _native.gather_into(out, [src[::2]], np.array([0], dtype=np.int64))
+    with pytest.raises(TypeError):
+        _native.gather_into(out.astype(np.int32), [src], np.array([0], dtype=np.int64))
+    with pytest.raises(OverflowError):
+        _native.gather_into(out, [src], np.array([0], dtype=np.int64), -1)
+
+
+# -------------------------------------------------------------------------------- property test
+
+
+@st.composite
+def _cases(draw: st.DrawFn) -> tuple[list[Any], list[int] | None, int, bool, torch.dtype]:
+    dtype = draw(st.sampled_from(DTYPES))
+    rank = draw(st.integers(1, 3))
+    dim = draw(st.integers(-rank, rank - 1))
+    pad = draw(st.booleans())
+    pack = dim % rank
+    common = [draw(st.integers(0, 4)) for _ in range(rank)]
+    n_phys = draw(st.integers(1, 5))
+    seed = draw(st.integers(0, 2**31 - 1))
+    gen = torch.Generator().manual_seed(seed)
+    tensors: list[Any] = []
+    for _ in range(n_phys):
+        if draw(st.integers(0, 5)) == 0:
+            tensors.append(None)
+            continue
+        shape = list(common)
+        shape[pack] = draw(st.integers(0, 4))
+        if pad:
+            shape = [s if d == pack else draw(st.integers(0, 4)) for d, s in enumerate(shape)]
+        t = _rand(tuple(shape), dtype, gen)
+        if draw(st.booleans()) and rank >= 2:  # make it non-contiguous, same logical shape
+            t = t.transpose(0, 1).contiguous().transpose(0, 1)
+        tensors.append(t)
+    legacy = draw(st.booleans())
+    indices = None if legacy else draw(st.lists(st.integers(0, n_phys - 1), max_size=12))
+    return tensors, indices, dim, pad, dtype
+
+
+@given(_cases(), st.booleans())
+def test_native_equals_torch_reference(case: Any, use_out: bool) -> None:
+    tensors, indices, dim, pad, _dtype = case
+    try:
+        ref = _reference(tensors, indices, dim, pad)
+    except (RuntimeError, IndexError, ValueError) as exc:
+        with pytest.raises(type(exc)):
+            _ours(tensors, indices, dim, pad)
+        return
+    got = _ours(tensors, indices, dim, pad)
+    assert _same(got, ref)
+    if use_out and ref is not None:
+        out = torch.empty_like(ref)
+        again = _ours(tensors, indices, dim, pad, out=out)
+        assert again is out and _same(out, ref)

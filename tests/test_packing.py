@@ -1,0 +1,469 @@
+"""mmpack.packing: concrete cases (NeMo-RL spec §4.4 / §6.3), the public API, one test per
+error, rank assignment, the NeMo-RL facade and its metrics."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from mmpack import errors
+from mmpack._reference import packing as ref
+from mmpack.packing import (
+    ALGORITHMS,
+    Packing,
+    PackingAlgorithm,
+    PackingMetrics,
+    SequencePacker,
+    assign_to_ranks,
+    get_packer,
+    pack,
+)
+
+SMALL = [10, 20, 30, 40, 50, 60, 70, 80, 90]
+SAME = [30] * 5
+MAXED = [100] * 3
+MIXED = [10, 50, 100, 20, 80, 30, 70, 40, 60, 90]
+MEDIUM = [25, 35, 45, 55, 65, 75, 85, 95, 15, 25, 35, 45, 55, 65, 75, 85, 95]
+
+SPEC_CASES = [
+    ("concatenative", SMALL, 100, [[0, 1, 2, 3], [4], [5], [6], [7], [8]]),
+    ("concatenative", SAME, 100, [[0, 1, 2], [3, 4]]),
+    ("concatenative", MIXED, 100, [[0, 1], [2], [3, 4], [5, 6], [7, 8], [9]]),
+    ("concatenative", [4, 1, 3, 2, 1, 3, 4, 5], 5, [[0, 1], [2, 3], [4, 5], [6], [7]]),
+    ("concatenative", [4, 1, 3, 2, 1, 3, 4, 5], 8, [[0, 1, 2], [3, 4, 5], [6], [7]]),
+    ("first_fit_decreasing", SMALL, 100, [[8, 0], [7, 1], [6, 2], [5, 3], [4]]),
+    ("first_fit_decreasing", SAME, 100, [[4, 3, 2], [1, 0]]),
+    ("first_fit_decreasing", MAXED, 100, [[2], [1], [0]]),
+    ("first_fit_decreasing", MIXED, 100, [[2], [9, 0], [4, 3], [6, 5], [8, 7], [1]]),
+    ("modified_first_fit_decreasing", SMALL, 100, [[8, 0], [7, 1], [6, 2], [5, 3], [4]]),
+    ("modified_first_fit_decreasing", SAME, 100, [[3, 4], [0, 1, 2]]),
+    ("modified_first_fit_decreasing", MAXED, 100, [[0], [1], [2]]),
+    (
+        "modified_first_fit_decreasing",
+        MEDIUM,
+        100,
+        [[7], [16], [6, 8], [15], [5, 0], [14, 9], [4, 1], [13, 10], [3, 2], [12, 11]],
+    ),
+]
+
+
+def check_invariants(
+    p: Packing,
+    lengths: list[int],
+    capacity: int,
+    *,
+    media: list[int] | None = None,
+    media_capacity: int | None = None,
+    max_items: int | None = None,
+    on_oversize: str = "error",
+) -> None:
+    """Every item exactly once (or in ``oversize``), every budget held, loads consistent."""
+    offsets = p.bin_offsets
+    assert offsets.dtype == np.int64 and p.item_indices.dtype == np.int64
+    assert offsets[0] == 0 and offsets[-1] == len(p.item_indices)
+    assert np.all(np.diff(offsets) >= 1), "no empty bins"
+    over = set(p.oversize.tolist())
+    expected_over = {
+        i
+        for i, length in enumerate(lengths)
+        if length > capacity or (media is not None and media[i] > (media_capacity or 0))
+    }
+    assert over == expected_over
+    packed = sorted(p.item_indices.tolist())
+    if on_oversize == "skip":
+        assert packed == sorted(set(range(len(lengths))) - over)
+    else:
+        assert packed == list(range(len(lengths)))
+    eff = [min(length, capacity) for length in lengths]
+    for b, items in enumerate(p.bins()):
+        load = sum(eff[i] for i in items)
+        assert load == p.bin_loads[b] <= capacity
+        if media is not None:
+            assert p.bin_media is not None
+            assert sum(media[i] for i in items) == p.bin_media[b] <= (media_capacity or 0)
+        if max_items is not None:
+            assert len(items) <= max_items
+    assert p.total_length == sum(p.bin_loads.tolist())
+    assert p.num_bins >= p.lower_bound
+
+
+# ----------------------------------------------------------------------------- spec cases
+
+
+@pytest.mark.parametrize(("algorithm", "lengths", "capacity", "expected"), SPEC_CASES)
+def test_spec_concrete_outputs(
+    algorithm: str, lengths: list[int], capacity: int, expected: list[list[int]]
+) -> None:
+    assert get_packer(algorithm, capacity).pack(lengths) == expected
+    assert pack(lengths, capacity, algorithm=algorithm).bins() == expected
+    assert ref.get_packer(algorithm, capacity).pack(lengths) == expected
+
+
+def test_spec_mffd_with_constraints_and_shard_loads() -> None:
+    lengths = [46, 24, 55, 88, 11, 14, 73, 17]
+    packer = get_packer("modified_first_fit_decreasing", 100, None, 2, 2)
+    bins = packer.pack(lengths)
+    assert bins == [[3, 4], [6, 5], [2, 7, 1], [0]]
+    loads = [sum(lengths[i] for i in b) for b in bins]
+    assert loads[:2] == [99, 87] and loads[2:] == [96, 46]
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "expected"),
+    [
+        ("concatenative", [[0, 1], [4], [5], [6], [7], [8], [3], [2]]),
+        ("first_fit_decreasing", [[8, 0], [7], [6], [5], [4], [3], [2], [1]]),
+    ],
+)
+def test_spec_min_bin_count_examples(algorithm: str, expected: list[list[int]]) -> None:
+    assert get_packer(algorithm, 100, min_bin_count=8).pack(SMALL) == expected
+    assert pack(SMALL, 100, algorithm=algorithm, min_bins=8).bins() == expected
+
+
+@pytest.mark.parametrize("algorithm", list(PackingAlgorithm))
+def test_spec_empty_and_single(algorithm: PackingAlgorithm) -> None:
+    assert get_packer(algorithm, 100).pack([]) == []
+    assert get_packer(algorithm, 100).pack([50]) == [[0]]
+    assert get_packer(algorithm, 100, bin_count_multiple=4).pack([]) == []
+
+
+@pytest.mark.parametrize("algorithm", list(PackingAlgorithm))
+def test_spec_too_long_for_every_algorithm(algorithm: PackingAlgorithm) -> None:
+    with pytest.raises(ValueError, match="Sequence length 150 exceeds bin capacity 100"):
+        get_packer(algorithm, 100).pack([50, 150, 70])
+
+
+def test_spec_first_fit_decreasing_reports_the_largest() -> None:
+    with pytest.raises(errors.ItemTooLargeError, match="Sequence length 300 exceeds"):
+        get_packer("first_fit_decreasing", 100).pack([150, 300, 200])
+    with pytest.raises(errors.ItemTooLargeError, match="Sequence length 150 exceeds"):
+        get_packer("concatenative", 100).pack([150, 300, 200])
+
+
+@pytest.mark.parametrize("algorithm", list(PackingAlgorithm))
+def test_spec_random_inputs_and_constraints_match_reference(
+    algorithm: PackingAlgorithm,
+) -> None:
+    rnd = random.Random(42)
+    for n in (100, 100, 100):
+        lengths = [rnd.randint(10, 90) for _ in range(n)]
+        natural = len(ref.get_packer(algorithm.name, 100).pack(lengths))
+        for kwargs in (
+            {},
+            {"min_bin_count": natural},
+            {"min_bin_count": natural + 2},
+            {"bin_count_multiple": 4},
+            {"min_bin_count": natural + 1, "bin_count_multiple": 3},
+        ):
+            random.seed(7)
+            ours = get_packer(algorithm, 100, **kwargs).pack(lengths)
+            random.seed(7)
+            theirs = ref.get_packer(algorithm.name, 100, **kwargs).pack(lengths)
+            assert ours == theirs
+            assert all(ours)
+
+
+def test_spec_insufficient_sequences() -> None:
+    with pytest.raises(errors.BinCountError, match="Cannot create 3 bins with only 2 sequences"):
+        get_packer("first_fit_decreasing", 100, min_bin_count=3).pack([50, 50])
+    with pytest.raises(ValueError, match="Cannot create 4 bins with only 2 sequences"):
+        get_packer("concatenative", 100, bin_count_multiple=4).pack([50, 50])
+    with pytest.raises(errors.BinCountError, match="Cannot create 1 bins with only 0 sequences"):
+        get_packer("concatenative", 100, min_bin_count=1).pack([])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"min_bin_count": -1}, "min_bin_count must be nonnegative"),
+        ({"bin_count_multiple": 0}, "bin_count_multiple must be positive"),
+        ({"bin_count_multiple": -5}, "bin_count_multiple must be positive"),
+    ],
+)
+def test_spec_constraint_errors(kwargs: dict[str, int], message: str) -> None:
+    with pytest.raises(errors.PackingArgumentError, match=message):
+        get_packer("first_fit_decreasing", 100, **kwargs)
+
+
+def test_get_packer_names_and_errors() -> None:
+    for algorithm in PackingAlgorithm:
+        packer = get_packer(algorithm, 100)
+        assert isinstance(packer, SequencePacker)
+        assert type(get_packer(algorithm.name.lower(), 100)) is type(packer)
+        assert type(get_packer(ref.PackingAlgorithm[algorithm.name], 100)) is type(packer)
+    with pytest.raises(ValueError, match=r"Unknown packing algorithm: nope\. Available"):
+        get_packer("nope", 100)
+    with pytest.raises(errors.PackingArgumentError, match="Unknown packing algorithm"):
+        get_packer(object(), 100)  # type: ignore[arg-type]
+    packer = get_packer("concatenative", 7, True, 2, 3)
+    assert (packer.bin_capacity, packer.collect_metrics) == (7, True)
+    assert (packer.min_bin_count, packer.bin_count_multiple) == (2, 3)
+
+
+def test_first_fit_shuffle_uses_and_advances_the_global_random_state() -> None:
+    lengths = [random.Random(3).randint(1, 100) for _ in range(300)]
+    random.seed(42)
+    ours = get_packer("first_fit_shuffle", 100).pack(lengths)
+    after_ours = random.random()
+    random.seed(42)
+    theirs = ref.get_packer("first_fit_shuffle", 100).pack(lengths)
+    after_theirs = random.random()
+    assert ours == theirs
+    assert after_ours == after_theirs
+
+
+def test_pack_first_fit_shuffle_seed_is_random_random_seed() -> None:
+    lengths = [random.Random(5).randint(1, 100) for _ in range(200)]
+    state = random.getstate()
+    a = pack(lengths, 100, algorithm="first_fit_shuffle", seed=11)
+    assert random.getstate() == state, "pack(seed=...) never touches the global state"
+    random.seed(11)
+    expected = ref.get_packer("first_fit_shuffle", 100).pack(lengths)
+    assert a.bins() == expected
+    b = pack(lengths, 100, algorithm="first_fit_shuffle", seed=12)
+    assert a.bins() != b.bins()
+
+
+def test_facade_metrics_match_reference() -> None:
+    ours = get_packer("modified_first_fit_decreasing", 100, collect_metrics=True)
+    theirs = ref.get_packer("modified_first_fit_decreasing", 100, collect_metrics=True)
+    for lengths in (MEDIUM, SMALL, SAME):
+        assert ours.pack(lengths) == theirs.pack(lengths)
+    assert ours.get_aggregated_metrics() == theirs.get_aggregated_metrics()
+    bins = ours.pack(MEDIUM)
+    stats = ours.compute_metrics(MEDIUM, bins)
+    assert stats == theirs.compute_metrics(MEDIUM, bins)
+    assert stats["num_bins"] == 10 and stats["total_sequence_length"] == 975
+    assert stats["average_utilization"] == 0.975 and stats["bin_efficiency"] == 1.0
+    assert abs(stats["bin_balance"] - 0.95016) < 1e-5
+    ours.reset_metrics()
+    assert ours.get_aggregated_metrics() == {}
+    assert get_packer("concatenative", 100).get_aggregated_metrics() == {}
+    assert PackingMetrics().calculate_stats_only([], [], 100)["num_bins"] == 0
+
+
+def test_print_metrics(capsys: pytest.CaptureFixture[str]) -> None:
+    get_packer("concatenative", 100).print_metrics()
+    assert "not enabled" in capsys.readouterr().out
+    packer = get_packer("concatenative", 100, collect_metrics=True)
+    packer.print_metrics()
+    assert "No metrics collected yet." in capsys.readouterr().out
+    packer.pack(SMALL)
+    packer.print_metrics()
+    assert "Total bins used: 6" in capsys.readouterr().out
+
+
+def test_facade_zero_lengths_like_nemo_rl() -> None:
+    lengths = [0, 5, 0, 10, 0]
+    for name in ("concatenative", "first_fit_decreasing", "first_fit_shuffle"):
+        random.seed(1)
+        ours = get_packer(name, 10).pack(lengths)
+        random.seed(1)
+        assert ours == ref.get_packer(name, 10).pack(lengths)
+    with pytest.raises(ValueError, match="sequence lengths must be positive"):
+        get_packer("modified_first_fit_decreasing", 10).pack(lengths)
+
+
+# ----------------------------------------------------------------------------- pack()
+
+
+def test_pack_flat_result() -> None:
+    lengths = np.array([3, 7, 2, 8, 5, 5], dtype=np.int64)
+    p = pack(lengths, 10)
+    assert p.algorithm == "best_fit_decreasing"
+    assert p.num_bins == 3 == p.lower_bound
+    assert p.efficiency == 1.0
+    assert p.bins() == [[3, 2], [1, 0], [4, 5]]
+    assert p.bin(1).tolist() == [1, 0]
+    assert p.bin_loads.tolist() == [10, 10, 10]
+    assert p.oversize.tolist() == [] and p.bin_media is None
+    assert "num_bins=3" in repr(p)
+    check_invariants(p, lengths.tolist(), 10)
+
+
+def test_pack_is_zero_copy_for_int64_and_converts_other_ints() -> None:
+    lengths = np.array([5, 6, 7], dtype=np.int64)
+    assert pack(lengths, 10)._lengths is lengths
+    for dtype in (np.int8, np.uint16, np.int32, np.uint64):
+        assert pack(lengths.astype(dtype), 10).bins() == pack(lengths, 10).bins()
+    assert pack([5, 6, 7], 10).bins() == pack(lengths, 10).bins()
+    assert pack(lengths[::-1], 10).bins() == pack([7, 6, 5], 10).bins()
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_every_algorithm_on_empty_input(algorithm: str) -> None:
+    p = pack([], 10, algorithm=algorithm)
+    assert p.num_bins == 0 and p.bins() == [] and p.efficiency == 0.0 and p.lower_bound == 0
+
+
+@pytest.mark.parametrize("algorithm", ["best_fit_decreasing", "first_fit_decreasing",
+                                       "first_fit_shuffle", "concatenative"])
+def test_media_budget_and_max_items(algorithm: str) -> None:
+    rnd = random.Random(0)
+    lengths = [rnd.randint(1, 100) for _ in range(300)]
+    media = [rnd.choice([0, 0, 1, 2, 4]) for _ in range(300)]
+    p = pack(lengths, 100, algorithm=algorithm, media=media, media_capacity=4,
+             max_items_per_bin=3)
+    check_invariants(p, lengths, 100, media=media, media_capacity=4, max_items=3)
+
+
+def test_minimum_bin_slack_beats_best_fit_on_a_hard_input() -> None:
+    rng = np.random.default_rng(3)
+    lengths = np.clip(np.rint(rng.lognormal(np.log(0.3 * 1000), 0.5, 3000)), 16, 1000)
+    lengths = lengths.astype(np.int64)
+    bfd = pack(lengths, 1000)
+    mbs = pack(lengths, 1000, algorithm="minimum_bin_slack")
+    assert mbs.num_bins < bfd.num_bins
+    check_invariants(mbs, lengths.tolist(), 1000)
+    assert pack(lengths, 1000, algorithm="mbs").bins() == mbs.bins()
+
+
+def test_on_oversize_skip_and_truncate() -> None:
+    lengths = [5, 20, 7, 11, 3]
+    skipped = pack(lengths, 10, on_oversize="skip")
+    assert skipped.oversize.tolist() == [1, 3]
+    check_invariants(skipped, lengths, 10, on_oversize="skip")
+    truncated = pack(lengths, 10, on_oversize="truncate")
+    assert truncated.oversize.tolist() == [1, 3]
+    check_invariants(truncated, lengths, 10, on_oversize="truncate")
+    media = [0, 0, 5, 0, 0]
+    skipped = pack(lengths, 10, media=media, media_capacity=4, on_oversize="skip")
+    assert skipped.oversize.tolist() == [1, 2, 3]
+    with pytest.raises(errors.ItemTooLargeError, match="item 2 has media 5"):
+        pack(lengths, 10, media=media, media_capacity=4, on_oversize="truncate")
+
+
+def test_min_bins_and_multiple_in_pack() -> None:
+    p = pack([5, 5, 5, 5], 10, min_bins=3)
+    assert p.num_bins == 3
+    p = pack([5, 5, 5, 5, 5], 10, bins_multiple_of=4)
+    assert p.num_bins == 4
+    check_invariants(p, [5] * 5, 10)
+
+
+def test_pack_is_deterministic() -> None:
+    rnd = random.Random(9)
+    lengths = [rnd.randint(1, 500) for _ in range(2000)]
+    for algorithm in ALGORITHMS:
+        a = pack(lengths, 1000, algorithm=algorithm, seed=3)
+        b = pack(np.array(lengths), 1000, algorithm=algorithm, seed=3)
+        assert a.bins() == b.bins()
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+def test_error_item_too_large_names_index_and_length() -> None:
+    with pytest.raises(errors.ItemTooLargeError, match=r"item 2 has length 11.*capacity 10"):
+        pack([1, 2, 11, 12], 10)
+    assert issubclass(errors.ItemTooLargeError, errors.MmpackError)
+    assert issubclass(errors.ItemTooLargeError, ValueError)
+
+
+@pytest.mark.parametrize("bad", [0, -3])
+def test_error_invalid_length(bad: int) -> None:
+    with pytest.raises(errors.InvalidLengthError, match=f"item 1 has length {bad}"):
+        pack([1, bad, 2], 10)
+
+
+def test_error_negative_media() -> None:
+    with pytest.raises(errors.InvalidLengthError, match="item 0 has media -1"):
+        pack([1, 2], 10, media=[-1, 0], media_capacity=3)
+
+
+@pytest.mark.parametrize(
+    "lengths", [[1.0, 2.0], [1.5], np.array([True, False]), ["a"], np.ones((2, 2), np.int64)]
+)
+def test_error_non_integer_lengths(lengths: object) -> None:
+    with pytest.raises(errors.PackingDtypeError) as info:
+        pack(lengths, 10)  # type: ignore[arg-type]
+    assert isinstance(info.value, TypeError) and isinstance(info.value, ValueError)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"capacity": 0}, "capacity: must be >= 1"),
+        ({"capacity": 2.5}, "capacity: must be an integer"),
+        ({"capacity": True}, "capacity: must be an integer"),
+        ({"algorithm": "nope"}, "unknown algorithm 'nope'"),
+        ({"max_items_per_bin": 0}, "max_items_per_bin: must be >= 1"),
+        ({"min_bins": -1}, "min_bins: must be >= 0"),
+        ({"bins_multiple_of": 0}, "bins_multiple_of: must be >= 1"),
+        ({"on_oversize": "drop"}, "on_oversize: 'drop'"),
+        ({"media": [1, 1, 1]}, "media_capacity: is required"),
+        ({"media_capacity": 3}, "media: is required"),
+        ({"media": [1], "media_capacity": 3}, "media: has 1 entries but lengths has 3"),
+        ({"algorithm": "modified_first_fit_decreasing", "max_items_per_bin": 2},
+         "does not support max_items_per_bin"),
+        ({"algorithm": "minimum_bin_slack", "media": [0, 0, 0], "media_capacity": 1},
+         "does not support a media budget"),
+    ],
+)
+def test_error_bad_arguments(kwargs: dict[str, object], match: str) -> None:
+    args: dict[str, object] = {"capacity": 10, **kwargs}
+    capacity = args.pop("capacity")
+    with pytest.raises(errors.PackingArgumentError, match=match):
+        pack([1, 2, 3], capacity, **args)  # type: ignore[arg-type]
+
+
+def test_error_bin_count() -> None:
+    with pytest.raises(errors.BinCountError, match="Cannot create 4 bins with only 3 sequences"):
+        pack([1, 2, 3], 10, min_bins=4)
+
+
+def test_error_native_arguments_are_typed() -> None:
+    from mmpack import _native
+
+    lengths = np.array([1, 2, 3], dtype=np.int64)
+    with pytest.raises(errors.PackingArgumentError, match="order"):
+        _native.pack(lengths, 10, "first_fit_shuffle", order=np.array([0, 0, 1]))
+    with pytest.raises(errors.PackingArgumentError, match="order"):
+        _native.pack(lengths, 10, "first_fit_shuffle")
+    with pytest.raises(errors.PackingArgumentError, match="capacity"):
+        _native.pack(lengths, 0, "concatenative")
+    with pytest.raises(errors.PackingArgumentError, match="random_state"):
+        _native.shuffle_permutation(np.zeros(3, np.uint32), 0, 5)
+    with pytest.raises(errors.PackingArgumentError, match="num_ranks"):
+        _native.assign_to_ranks(np.array([0, 3]), lengths, lengths, 0, "tokens")
+    with pytest.raises(errors.PackingArgumentError, match="item 7 is out of range"):
+        _native.assign_to_ranks(np.array([0, 1]), np.array([7]), lengths, 1, "tokens")
+
+
+# ----------------------------------------------------------------------------- ranks
+
+
+def test_assign_to_ranks_balances_and_orders() -> None:
+    rnd = random.Random(1)
+    lengths = [rnd.randint(1, 1000) for _ in range(5000)]
+    p = pack(lengths, 1000, bins_multiple_of=8)
+    for cost in ("tokens", "tokens_squared"):
+        a = assign_to_ranks(p, 8, cost=cost)
+        ranks = a.ranks()
+        assert a.num_ranks == 8
+        assert sorted(b for r in ranks for b in r) == list(range(p.num_bins))
+        assert len({len(r) for r in ranks}) == 1, "equal bin counts when divisible"
+        for r, bins in enumerate(ranks):
+            costs = [a.bin_costs[b] for b in bins]
+            assert costs == sorted(costs, reverse=True)
+            assert sum(costs) == a.rank_costs[r]
+        assert 1.0 <= a.imbalance < 1.01
+    squared = assign_to_ranks(p, 8, cost="tokens_squared")
+    b0 = p.bin(0).tolist()
+    assert squared.bin_costs[0] == sum(lengths[i] ** 2 for i in b0)
+
+
+def test_assign_to_ranks_uneven_and_errors() -> None:
+    p = pack([5, 5, 5], 5)
+    a = assign_to_ranks(p, 2)
+    assert sorted(len(r) for r in a.ranks()) == [1, 2]
+    assert a.imbalance == pytest.approx(10 / 7.5)
+    assert assign_to_ranks(pack([], 5), 3).imbalance == 1.0
+    with pytest.raises(errors.PackingArgumentError, match="num_ranks"):
+        assign_to_ranks(p, 0)
+    with pytest.raises(errors.PackingArgumentError, match="cost"):
+        assign_to_ranks(p, 2, cost="flops")
+    truncated = pack([5, 50], 10, on_oversize="truncate")
+    assert assign_to_ranks(truncated, 1).rank_costs.tolist() == [15]
