@@ -89,6 +89,18 @@ def _workload(prompts: int, patches: int) -> tuple[Any, RefPT]:
     return base.repeat_interleave(G), ref
 
 
+def _workload_small(prompts: int) -> tuple[Any, RefPT]:
+    """``image_grid_thw``-like metadata: one tiny int64 segment per prompt, G-expanded."""
+    grids = [torch.tensor([[1, 2 * (1 + p % 7), 2 * (1 + p % 5)]]) for p in range(prompts)]
+    indices = [p for p in range(prompts) for _ in range(G)]
+    offsets = list(range(len(indices) + 1))
+    ref = RefPT(list(grids), 0, _row_offsets=offsets, _segment_indices=indices)
+    if PackedTensor is None:
+        return ref, ref
+    base = PackedTensor(list(grids), 0).enable_deduplication()
+    return base.repeat_interleave(G), ref
+
+
 def _mm_as_tensor(value: Any, out: torch.Tensor | None = None) -> torch.Tensor | None:
     return _materialize.as_tensor(value.tensors, value.csr()[1], value.dim_to_pack, False, out=out)
 
@@ -119,9 +131,12 @@ def _payloads(prompts: int, patches: int) -> list[tuple[str, Any]]:
         key: PackedTensor([v.slice([r]).as_tensor().clone() for r in range(n)], 0)
         for key, v in (("pixel_values", pixels), ("image_grid_thw", grid))
     }
+    media = {"pixel_values": pixels, "image_grid_thw": grid, "input_ids": common["input_ids"]}
     return [
-        (f"rollout batch, {n} rows, dedup", dedup),
-        (f"rollout batch, {n} rows, legacy twin", {**legacy, **common}),
+        (f"media batch, {n} rows, dedup", media),
+        (f"media batch, {n} rows, legacy twin", {**legacy, "input_ids": common["input_ids"]}),
+        (f"rollout batch + message logs, {n} rows, dedup", dedup),
+        (f"rollout batch + message logs, {n} rows, legacy twin", {**legacy, **common}),
     ]
 
 
@@ -145,6 +160,8 @@ def main() -> None:
     t_new = _median(lambda: _mm_as_tensor(mm), repeats)
     t_out = _median(lambda: _mm_as_tensor(mm, out), repeats)
     assert torch.equal(out, expected)
+    logical = list(ref.iter_logical_segments())
+    t_cat_out = _median(lambda: torch.cat(logical, out=out), repeats)
 
     rows = []
 
@@ -161,6 +178,21 @@ def main() -> None:
 
     row("as_tensor, new buffer", t_ref, t_new, f"{out_mb:.1f} MiB out of {physical_mb:.1f} MiB")
     row("as_tensor, reused out=", t_ref, t_out, f"{out_mb / t_out / 1024:.1f} GiB/s")
+    row(
+        "(info) torch.cat(out=) of a prebuilt list vs mmpack out=",
+        t_cat_out,
+        t_out,
+        "not NeMo-RL's path: no list building, reused buffer",
+    )
+    many, many_ref = _workload_small(64 if args.quick else 4096)
+    t_ref_s = _median(lambda: many_ref.as_tensor(), repeats)
+    t_new_s = _median(lambda: _mm_as_tensor(many), repeats)
+    row(
+        "as_tensor, many small segments",
+        t_ref_s,
+        t_new_s,
+        f"{len(many_ref.tensors)} physical int64 [1, 3] grids x {G}",
+    )
     for label, obj in _payloads(8 if args.quick else 64, 4 if args.quick else 16):
         t_pickle = _median(lambda obj=obj: payload.serialized_nbytes(obj), repeats)
         t_measure = _median(lambda obj=obj: payload.measure(obj), max(repeats, 5))

@@ -23,14 +23,17 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 import mmpack
+import numpy as np
 from mmpack._reference import packing as ref
 from mmpack.packing import get_packer, pack
 
-NEMO = ("concatenative", "first_fit_decreasing", "first_fit_shuffle",
-        "modified_first_fit_decreasing")
+NEMO = (
+    "concatenative",
+    "first_fit_decreasing",
+    "first_fit_shuffle",
+    "modified_first_fit_decreasing",
+)
 
 
 def sft_lengths(n: int, capacity: int, seed: int = 1234) -> np.ndarray:
@@ -93,12 +96,11 @@ def peers() -> dict[str, Callable[[list[int], int], list[list[int]]] | str]:
         import seqpacker
 
         def seq(x: list[int], c: int) -> list[list[int]]:
-            result = seqpacker.pack_sequences(x, capacity=c, strategy="obfd")
-            return [list(b.sequence_ids) for b in result.bins]
+            return [list(b) for b in seqpacker.Packer(c, strategy="obfd").pack(x).bins]
 
-        out["seqpacker obfd (Rust)"] = seq
+        out["seqpacker obfd pack (Rust)"] = seq
     except ImportError as exc:
-        out["seqpacker"] = f"not installed: no wheel for this platform and its sdist did not build ({exc})"
+        out["seqpacker"] = f"not installed: no wheel here and its sdist did not build ({exc})"
     try:
         import binpacking
 
@@ -112,11 +114,18 @@ def peers() -> dict[str, Callable[[list[int], int], list[list[int]]] | str]:
     return out
 
 
-def row(name: str, t: float | None, bins: int | None, lb: int, total: int, cap: int,
-        note: str = "") -> dict[str, Any]:
+def row(
+    name: str, t: float | None, bins: int | None, lb: int, total: int, cap: int, note: str = ""
+) -> dict[str, Any]:
     eff = total / (bins * cap) if bins else None
-    return {"what": name, "time_s": t, "bins": bins, "over_bound": None if bins is None else
-            bins - lb, "efficiency": eff, "note": note}
+    return {
+        "what": name,
+        "time_s": t,
+        "bins": bins,
+        "over_bound": None if bins is None else bins - lb,
+        "efficiency": eff,
+        "note": note,
+    }
 
 
 def bench_sft(n: int, cap: int, args: argparse.Namespace, peer_fns: dict[str, Any]) -> list[dict]:
@@ -132,8 +141,29 @@ def bench_sft(n: int, cap: int, args: argparse.Namespace, peer_fns: dict[str, An
         results[alg] = p
         rows.append(row(f"mmpack pack({alg}) numpy in, CSR out", t, p.num_bins, lb, total, cap))
     t, p = timeit(lambda: pack(x, cap).bins(), args.budget)
-    rows.append(row("mmpack pack(best_fit_decreasing).bins() list of lists", t, len(p), lb,
-                    total, cap))
+    rows.append(
+        row("mmpack pack(best_fit_decreasing).bins() list of lists", t, len(p), lb, total, cap)
+    )
+    try:
+        import seqpacker
+
+        packer = seqpacker.Packer(cap, strategy="obfd")
+        t, (items, splits) = timeit(lambda: packer.pack_flat(x), args.budget)
+        bins = [b.tolist() for b in np.split(items, splits)] if n <= 100_000 else None
+        nb = validate(bins, x, cap) if bins is not None else len(splits) + 1
+        rows.append(
+            row(
+                "seqpacker obfd pack_flat (Rust)",
+                t,
+                nb,
+                lb,
+                total,
+                cap,
+                "numpy in, flat arrays out",
+            )
+        )
+    except ImportError:
+        pass
     xl = x.tolist()
     for name, fn in peer_fns.items():
         if isinstance(fn, str):
@@ -149,8 +179,17 @@ def bench_sft(n: int, cap: int, args: argparse.Namespace, peer_fns: dict[str, An
         packer = get_packer(alg, cap)
         random.seed(0)
         t_mm, ours = timeit(lambda packer=packer: packer.pack(xl), args.budget)
-        rows.append(row(f"mmpack get_packer({alg}).pack", t_mm, len(ours), lb, total, cap,
-                        "NeMo-RL facade: list in, list of lists out"))
+        rows.append(
+            row(
+                f"mmpack get_packer({alg}).pack",
+                t_mm,
+                len(ours),
+                lb,
+                total,
+                cap,
+                "NeMo-RL facade: list in, list of lists out",
+            )
+        )
         if n <= args.reference_max and not (n > 20_000 and cap != args.reference_capacity):
             ref_packer = ref.get_packer(alg, cap)
             random.seed(0)
@@ -162,9 +201,17 @@ def bench_sft(n: int, cap: int, args: argparse.Namespace, peer_fns: dict[str, An
                 random.seed(0)
                 theirs_once = ref_packer.pack(xl)
                 same = ours_once == theirs_once
-            rows.append(row(f"reference {alg} (plain Python, NeMo-RL semantics)", t_ref,
-                            len(theirs), lb, total, cap,
-                            f"identical output: {same}; mmpack {t_ref / t_mm:,.0f}x faster"))
+            rows.append(
+                row(
+                    f"reference {alg} (plain Python, NeMo-RL semantics)",
+                    t_ref,
+                    len(theirs),
+                    lb,
+                    total,
+                    cap,
+                    f"identical output: {same}; mmpack {t_ref / t_mm:,.0f}x faster",
+                )
+            )
     return rows
 
 
@@ -173,22 +220,31 @@ def bench_hard(n: int, cap: int, args: argparse.Namespace) -> list[dict]:
     total = int(x.sum())
     lb = -(-total // cap)
     rows = [row("lower bound ceil(sum/cap)", None, lb, lb, total, cap)]
-    for alg in ("best_fit_decreasing", "first_fit_decreasing", "modified_first_fit_decreasing",
-                "minimum_bin_slack"):
+    for alg in (
+        "best_fit_decreasing",
+        "first_fit_decreasing",
+        "modified_first_fit_decreasing",
+        "minimum_bin_slack",
+    ):
         t, p = timeit(lambda alg=alg: pack(x, cap, algorithm=alg), args.budget)
         rows.append(row(f"mmpack {alg}", t, p.num_bins, lb, total, cap))
     return rows
 
 
 def table(title: str, rows: list[dict]) -> str:
-    lines = [f"**{title}**", "", "| what | time | bins | over bound | eff % | note |",
-             "|---|---:|---:|---:|---:|---|"]
+    lines = [
+        f"**{title}**",
+        "",
+        "| what | time | bins | over bound | eff % | note |",
+        "|---|---:|---:|---:|---:|---|",
+    ]
     for r in rows:
         eff = "" if r["efficiency"] is None else f"{100 * r['efficiency']:.3f}"
         bins = "" if r["bins"] is None else str(r["bins"])
         over = "" if r["over_bound"] is None else str(r["over_bound"])
-        lines.append(f"| {r['what']} | {fmt_time(r['time_s'])} | {bins} | {over} | {eff} | "
-                     f"{r['note']} |")
+        lines.append(
+            f"| {r['what']} | {fmt_time(r['time_s'])} | {bins} | {over} | {eff} | {r['note']} |"
+        )
     return "\n".join(lines)
 
 
@@ -197,13 +253,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny smoke run")
     parser.add_argument("--sizes", type=int, nargs="*", default=None)
     parser.add_argument("--capacities", type=int, nargs="*", default=None)
-    parser.add_argument("--reference-max", type=int, default=100_000,
-                        help="largest N for the quadratic reference")
-    parser.add_argument("--reference-capacity", type=int, default=4096,
-                        help="above 20k items, run the reference at this capacity only")
+    parser.add_argument(
+        "--reference-max", type=int, default=100_000, help="largest N for the quadratic reference"
+    )
+    parser.add_argument(
+        "--reference-capacity",
+        type=int,
+        default=4096,
+        help="above 20k items, run the reference at this capacity only",
+    )
     parser.add_argument("--binpacking-max", type=int, default=10_000)
-    parser.add_argument("--budget", type=float, default=60.0,
-                        help="seconds: a cell slower than budget/5 runs once")
+    parser.add_argument(
+        "--budget", type=float, default=60.0, help="seconds: a cell slower than budget/5 runs once"
+    )
     parser.add_argument("--out", default="bench-results/bench_packing.json")
     args = parser.parse_args(argv)
     if args.quick:

@@ -208,11 +208,16 @@ def test_torch_save_views_share_storage(nemo: FakeNemoRL) -> None:
     )
 
 
-def test_loads_mmpack_written_pickles() -> None:
-    value = mmpack.PackedTensor([torch.randn(2, 2), None], 0).enable_deduplication()
-    got = compat.loads(pickle.dumps({"v": value}, protocol=5))
+@pytest.mark.parametrize("protocol", [0, 2, 5])
+@pytest.mark.parametrize("segments", [2, 20])
+def test_loads_mmpack_written_pickles(protocol: int, segments: int) -> None:
+    tensors: list[Any] = [torch.randn(2, 2) for _ in range(segments)] + [None]
+    tensors[1] = tensors[1].to(torch.bfloat16)
+    value = mmpack.PackedTensor(tensors, 0).enable_deduplication().repeat_interleave(3)
+    got = compat.loads(pickle.dumps({"v": value, "n": 1}, protocol=protocol))
     assert isinstance(got["v"], mmpack.PackedTensor)
     assert list(got["v"]._segment_provenance) == list(value._segment_provenance)
+    assert list(got["v"]._row_offsets) == list(value._row_offsets)
     assert torch.equal(got["v"].as_tensor(), value.as_tensor())
 
 
@@ -323,7 +328,7 @@ def test_install_patches_importable_nemo_rl_and_its_importers(nemo: FakeNemoRL) 
 
 
 def test_malformed_inputs_raise_unpickling_errors() -> None:
-    with pytest.raises(pickle.UnpicklingError, match="torch.save archive"):
+    with pytest.raises(pickle.UnpicklingError, match=r"torch\.save archive"):
         compat.loads(b"PK\x03\x04 definitely not a zip file")
     with pytest.raises(pickle.UnpicklingError):
         compat.loads(b"\x80\x05garbage")

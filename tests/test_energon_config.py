@@ -147,3 +147,15 @@ def test_image_settings_are_found_on_nested_processors() -> None:
         resolve_media_settings({"patch_size": 0}, ["image"])
     with pytest.raises(ModalityConfigError, match="image_patch_size"):
         resolve_media_settings(None, ["image"])
+
+
+def test_missing_energon_names_the_extra() -> None:
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['megatron.energon'] = None\n"
+        "try:\n    import mmpack.energon\nexcept ImportError as e:\n    print(e)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "pip install 'mmpack[energon]'" in out.stdout, out.stdout + out.stderr

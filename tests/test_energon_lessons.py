@@ -11,7 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import tomllib
 
 pytest.importorskip("megatron.energon")
 
@@ -66,8 +65,7 @@ def iterate(path: Path, encoder: PackingTaskEncoder, workers: int, *, repeat: bo
     dataset = get_train_dataset(
         str(path),
         worker_config=make_worker_config(encoder, num_workers=workers),
-        batch_size=encoder.config.batch_size,
-        packing_buffer_size=encoder.config.packing_buffer_size,
+        **encoder.dataset_options(),
         shuffle_buffer_size=None,
         max_samples_per_sequence=None,
         task_encoder=encoder,
@@ -77,6 +75,11 @@ def iterate(path: Path, encoder: PackingTaskEncoder, workers: int, *, repeat: bo
 
 
 # -- 1. released dependencies only ------------------------------------------------------------
+
+
+def _pyproject() -> dict[str, Any]:
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    return dict(tomllib.loads((ROOT / "pyproject.toml").read_text()))
 
 
 def _requirements(pyproject: dict[str, Any]) -> list[str]:
@@ -91,8 +94,7 @@ def _requirements(pyproject: dict[str, Any]) -> list[str]:
 
 
 def test_lesson1_dependencies_are_released_versions_with_committed_locks() -> None:
-    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    reqs = _requirements(pyproject)
+    reqs = _requirements(_pyproject())
     assert any(r.startswith("megatron-energon") for r in reqs)
     bad = [r for r in reqs if re.search(r"(@|git\+|https?://|file:|\.\./)", r)]
     assert bad == [], f"unreleased (git/url/path) dependencies: {bad}"
@@ -124,7 +126,7 @@ class RandomDropEncoder(PackingTaskEncoder):
     def preencode_sample(self, sample: Any) -> Any:
         import random
 
-        encoded = super().preencode_sample.__wrapped__(self, sample)  # the undecorated base body
+        encoded = super().preencode_sample(sample)
         keep = random.randint(1, len(encoded.token_ids))
         return type(encoded).derive_from(
             encoded,
@@ -190,6 +192,47 @@ def test_lesson4_zero_failure_tolerance_is_rejected_with_an_explanation() -> Non
         PackingEncoderConfig(failure_tolerance=0)
     with pytest.raises(EnergonConfigError, match="never stop"):
         stateless_with_tolerance(failure_tolerance=0)
+
+
+def _wrappers(dataset: Any) -> Iterator[Any]:
+    stack, seen = [dataset], set()
+    while stack:
+        node = stack.pop()
+        if id(node) in seen:
+            continue
+        seen.add(id(node))
+        yield node
+        inner = node.__dict__.get("datasets") or (
+            [node.__dict__["dataset"]] if "dataset" in node.__dict__ else []
+        )
+        stack.extend(x[0] if isinstance(x, tuple) else x for x in inner)
+
+
+def test_lesson4_every_failure_counter_of_the_pipeline_is_finite(
+    broken_dataset: Any, tokenizer: Any
+) -> None:
+    """Tolerance 0 also disabled the packing loop's stop in the reviewed loader; here every
+    error context Energon builds for the task encoder (cooker, encode, pre-packer, sample
+    encoder, final packer, batch) gets the configured finite tolerance."""
+    enc = make_encoder(tokenizer, failure_tolerance=37)
+    dataset = get_train_dataset(
+        str(broken_dataset.metadataset),
+        worker_config=make_worker_config(enc, num_workers=0),
+        **enc.dataset_options(),
+        shuffle_buffer_size=None,
+        max_samples_per_sequence=None,
+        task_encoder=enc,
+    )
+    contexts = {}
+    for node in _wrappers(dataset):
+        for name, value in vars(node).items():
+            if type(value).__name__ == "ErrorContext":
+                contexts[f"{type(node).__name__}.{name}: {value.name}"] = value.tolerance
+    ours = {k: v for k, v in contexts.items() if "_load_sample_raw" not in k}
+    assert all(v > 0 for v in contexts.values()), contexts  # Energon's raw reader: its own 100
+    assert len(ours) >= 7 and set(ours.values()) == {37}, ours
+    assert any("pre_packer" in k.lower() or "select_samples_to_pack" in k for k in ours), ours
+    assert any("cook_crude_sample" in k for k in ours), ours
 
 
 def test_lesson4_few_broken_samples_train_on_the_rest_and_are_counted(
@@ -391,7 +434,23 @@ def test_lesson9_missing_audio_dependency_names_the_extra(
 
 
 def test_lesson9_audio_extra_is_declared() -> None:
-    pyproject = tomllib.loads((ROOT / "pyproject.toml").read_text())
-    extras = pyproject["project"]["optional-dependencies"]
+    extras = _pyproject()["project"]["optional-dependencies"]
     names = collections.Counter(re.split(r"[<>=!~ \[]", r)[0] for r in extras["audio"])
     assert names["librosa"] == 1 and names["soxr"] == 1
+
+
+def test_lesson4_subclass_hooks_must_stay_stateless_and_finite(tokenizer: Any) -> None:
+    class NotStateless(PackingTaskEncoder):
+        def preencode_sample(self, sample: Any) -> Any:  # no @stateless: breaks resume
+            return super().preencode_sample(sample)
+
+    with pytest.raises(EnergonConfigError, match="preencode_sample is not @stateless"):
+        make_encoder(tokenizer, NotStateless)
+
+    class NeverStops(PackingTaskEncoder):
+        @stateless(failure_tolerance=0)
+        def pack_selected_samples(self, samples: Any) -> Any:
+            return super().pack_selected_samples(samples)
+
+    with pytest.raises(EnergonConfigError, match="pack_selected_samples has failure_tolerance=0"):
+        make_encoder(tokenizer, NeverStops)

@@ -55,7 +55,13 @@ def _same(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     if a.shape != b.shape or a.dtype != b.dtype or a.device != b.device:
         return False
     # byte-exact (NaN-safe, fp8-safe)
-    return bool(torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8)))
+    return bool(torch.equal(_bytes(a), _bytes(b)))
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    fresh = torch.empty(t.shape, dtype=t.dtype, device=t.device)  # standard strides
+    fresh.copy_(t)
+    return fresh.reshape(-1).view(torch.uint8)
 
 
 def _native_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
@@ -102,6 +108,7 @@ def test_every_dtype_matches_torch_cat(dtype: torch.dtype, monkeypatch: pytest.M
     segs: list[Any] = [_rand((3, 5), dtype, gen), None, _rand((2, 5), dtype, gen)]
     indices = [0, 1, 2, 0, 2, 2, 1]
     calls = _native_calls(monkeypatch)
+    monkeypatch.setattr(_materialize, "COMPACT_MIN_SEGMENTS", 10**9)
     got = _ours(segs, indices, 0, False)
     assert calls, "the native gather was not used"
     assert _same(got, _reference(segs, indices, 0, False))
@@ -173,6 +180,43 @@ def test_large_output_parallel_gather() -> None:
     assert _same(got, _reference(segs, indices, 0, False))
     got_t = _ours(segs, indices, 1, False)  # strided, large
     assert _same(got_t, _reference(segs, indices, 1, False))
+
+
+@pytest.mark.parametrize("dim", [0, 1, -1])
+def test_many_small_segments_take_the_compacted_path(
+    dim: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls: list[int] = []
+    real = _native.gather_ranges_into
+
+    def counting(*args: Any, **kwargs: Any) -> None:
+        calls.append(1)
+        real(*args, **kwargs)
+
+    monkeypatch.setattr(_materialize._native, "gather_ranges_into", counting)
+    gen = torch.Generator().manual_seed(9)
+    n = _materialize.COMPACT_MIN_SEGMENTS * 2
+    segs: list[Any] = []
+    for i in range(n):
+        shape = [2, 3, 2]
+        shape[dim] = 1 + i % 3
+        t = _rand(tuple(shape), torch.int64, gen)
+        segs.append(t if i % 5 else t.transpose(0, 2).contiguous().transpose(0, 2))
+    segs[7] = None
+    indices = [i % n for i in range(n * 16)]
+    assert _same(_ours(segs, indices, dim, False), _reference(segs, indices, dim, False))
+    assert calls
+
+
+def test_one_element_segments_with_odd_strides() -> None:
+    # contiguous by torch's rules (size-1 dims may carry any stride), yet not viewable as bytes
+    x = torch.arange(10.0)[::5][:1]
+    y = torch.arange(12.0).reshape(4, 3)[1:2, 1:2]
+    assert x.stride() == (5,) and x.is_contiguous()
+    segs: list[Any] = [x, y.reshape(1)]
+    assert _same(_ours(segs, [0, 1, 0], 0, False), _reference(segs, [0, 1, 0], 0, False))
+    views = _materialize._stage([x], torch.device("cpu"), non_blocking=False, pin_memory=False)
+    assert _same(views[0], x)
 
 
 def test_zero_size_segments() -> None:
@@ -301,6 +345,25 @@ def test_move_segments_cpu_and_counters() -> None:
         _materialize.move_segments([a, 3], "cpu")
 
 
+def test_staging_buffer_views_equal_their_segments() -> None:
+    # the CUDA feed's staging step, run host-to-host (pinning needs CUDA; the logic is the same)
+    gen = torch.Generator().manual_seed(8)
+    a = _rand((3, 4), torch.bfloat16, gen)
+    b = _rand((4, 6), torch.bfloat16, gen)[:, ::2]  # non-contiguous
+    c = _rand((), torch.bfloat16, gen)  # 0-d
+    views = _materialize._stage(
+        [a, b, c], torch.device("cpu"), non_blocking=False, pin_memory=False
+    )
+    assert [v.shape for v in views] == [a.shape, b.shape, c.shape]
+    assert all(_same(v, t) for v, t in zip(views, [a, b, c], strict=True))
+    base = views[0].untyped_storage().data_ptr()
+    assert all(v.untyped_storage().data_ptr() == base for v in views)  # one buffer, one copy
+    assert (
+        views[1].storage_offset() == a.numel()
+        and views[2].storage_offset() == a.numel() + b.numel()
+    )
+
+
 # ---------------------------------------------------------------------------- the binding itself
 
 
@@ -329,6 +392,28 @@ def test_gather_into_binding_errors() -> None:
         _native.gather_into(out.astype(np.int32), [src], np.array([0], dtype=np.int64))
     with pytest.raises(OverflowError):
         _native.gather_into(out, [src], np.array([0], dtype=np.int64), -1)
+
+
+def test_gather_ranges_into_binding_errors() -> None:
+    out = np.zeros(4, dtype=np.uint8)
+    src = np.arange(6, dtype=np.uint8)
+    i64 = lambda *v: np.array(v, dtype=np.int64)  # noqa: E731
+    _native.gather_ranges_into(out, src, i64(0, 4), i64(2, 2), i64(1, 0))
+    assert out.tolist() == [4, 5, 0, 1]
+    _native.gather_ranges_into(out, src, i64(0, 2), i64(1, 1), i64(1, 0), 2, 3)
+    assert out.tolist() == [2, 0, 5, 3]
+    with pytest.raises(GatherSizeError, match="does not lie inside the 6-byte source"):
+        _native.gather_ranges_into(out, src, i64(5), i64(2), i64(0, 0))
+    with pytest.raises(GatherSizeError, match="start -1"):
+        _native.gather_ranges_into(out, src, i64(-1), i64(2), i64(0, 0))
+    with pytest.raises(GatherIndexError):
+        _native.gather_ranges_into(out, src, i64(0), i64(2), i64(0, 1))
+    with pytest.raises(GatherSizeError):
+        _native.gather_ranges_into(out, src, i64(0), i64(2, 2), i64(0, 0))
+    with pytest.raises(GatherSizeError, match="segments need 2"):
+        _native.gather_ranges_into(out, src, i64(0), i64(2), i64(0))
+    with pytest.raises(TypeError):
+        _native.gather_ranges_into(out, out, i64(0), i64(2), i64(0, 0))
 
 
 # -------------------------------------------------------------------------------- property test
@@ -363,9 +448,19 @@ def _cases(draw: st.DrawFn) -> tuple[list[Any], list[int] | None, int, bool, tor
     return tensors, indices, dim, pad, dtype
 
 
-@given(_cases(), st.booleans())
-def test_native_equals_torch_reference(case: Any, use_out: bool) -> None:
+@pytest.mark.parametrize("compact", [False, True], ids=["per-segment", "compacted"])
+@given(case=_cases(), use_out=st.booleans())
+def test_native_equals_torch_reference(case: Any, use_out: bool, compact: bool) -> None:
     tensors, indices, dim, pad, _dtype = case
+    threshold = 1 if compact else 10**9
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(_materialize, "COMPACT_MIN_SEGMENTS", threshold)
+        _check_against_reference(tensors, indices, dim, pad, use_out)
+
+
+def _check_against_reference(
+    tensors: list[Any], indices: list[int] | None, dim: int, pad: bool, use_out: bool
+) -> None:
     try:
         ref = _reference(tensors, indices, dim, pad)
     except (RuntimeError, IndexError, ValueError) as exc:

@@ -250,9 +250,8 @@ def _big_value() -> tuple[P, dict[str, Any]]:
 
 
 @pytest.mark.parametrize("protocol", [2, 4, 5])
-def test_pickle_buffer_path_roundtrip(protocol: int) -> None:
+def test_pickle_roundtrip(protocol: int) -> None:
     v, _ = _big_value()
-    assert len(v.tensors) >= P._PICKLE_BUFFER_MIN_SEGMENTS
     got = _quiet_loads(pickle.dumps(v, protocol=protocol))
     assert isinstance(got, P) and got.deduplication_enabled
     assert got._segment_provenance == v._segment_provenance
@@ -310,6 +309,24 @@ def _torch_roundtrip(v: P) -> P:
     torch.save({"v": v}, buf)
     buf.seek(0)
     return torch.load(buf, weights_only=False)["v"]
+
+
+def test_pickle_keeps_identity_between_small_and_flattened_values() -> None:
+    imgs = [torch.randn(64, 64) for _ in range(6)]
+    per_sample = [dedup(img) for img in imgs]
+    flat = P.concat([copy.deepcopy(p) for p in per_sample for _ in range(4)])
+    batch = {"message_log": per_sample, "pixel_values": flat, "again": flat.shard(2)}
+    plain = pickle.dumps([dedup(img) for img in imgs], protocol=5)
+    data = pickle.dumps(batch, protocol=5)
+    assert len(data) < 1.3 * len(plain)  # every image written once
+    got = _quiet_loads(data)
+    for i, p in enumerate(got["message_log"]):
+        assert p.tensors[0] is got["pixel_values"].tensors[i]
+    shard_tensors = got["again"][0].tensors + got["again"][1].tensors
+    assert all(any(x is y for y in got["pixel_values"].tensors) for x in shard_tensors)
+    # A later, separate pickle is self-contained.
+    alone = _quiet_loads(pickle.dumps(flat.shard(3)[2], protocol=5))
+    assert len(alone.tensors) == 2 and torch.equal(alone.tensors[0], imgs[4])
 
 
 def test_pickle_small_values_keep_cross_value_sharing() -> None:

@@ -398,6 +398,30 @@ def test_s61_25_unpickles_pre_deduplication_state(P: Any) -> None:
     assert rt.deduplication_enabled and len(rt._segment_provenance) == 1
 
 
+def test_s19_instance_dict_holds_the_six_fields(P: Any) -> None:
+    """Spec 1.9: instances have a real ``__dict__``; a value built by ``__new__`` and a
+    six-field ``__dict__`` (what NeMo-RL's default pickling restores) behaves like the original."""
+    a, b = torch.tensor([1.0]), torch.tensor([2.0])
+    prov = [b"a" * 16, b"b" * 16]
+    obj = P.__new__(P)
+    obj.__dict__ = {
+        "tensors": [a, b],
+        "dim_to_pack": 0,
+        "pad_to_max_shape": False,
+        "_row_offsets": [0, 2, 3],
+        "_segment_indices": [1, 0, 1],
+        "_segment_provenance": list(prov),
+    }
+    for value in (obj, cloudpickle.loads(cloudpickle.dumps(obj)), copy.deepcopy(obj)):
+        assert len(value) == 2 and value.deduplication_enabled
+        assert list(value._row_offsets) == [0, 2, 3]
+        assert list(value._segment_provenance) == prov
+        assert counts(value) == [2, 1]
+        assert_tensor_equal(value.as_tensor(), torch.tensor([2.0, 1.0, 2.0]))
+    merged = P.concat([obj, P([a, b], 0, _segment_provenance=list(prov))])
+    assert physical(merged) == 2 and len(merged) == 4
+
+
 def test_s61_26_empty_legacy_rows_survive_copy_pickle_and_slice(P: Any) -> None:
     empty = P.empty_rows_like(P([torch.ones(2)], 0), 0)
     variants = [
@@ -729,6 +753,23 @@ def test_s7_9_pickle_compatibility(P: Any) -> None:
     assert restored.deduplication_enabled and physical(restored) == 1 and len(restored) == 2
 
 
+@pytest.mark.parametrize("protocol", [2, 5])
+def test_s7_9_identity_survives_within_one_pickle_for_many_segments(P: Any, protocol: int) -> None:
+    """Spec 1.6 / 7.9: the pickle memo keeps tensor identity inside one pickle, so media shared
+    by several PackedTensors of one payload (a batch holding per-sample and flattened values,
+    the G copies of a prompt) is written once. Values with many segments must keep that too."""
+    imgs = [torch.randn(4, 64) for _ in range(12)] + [None, torch.arange(3)]
+    a = P(list(imgs), 0).enable_deduplication()
+    b = a.slice(list(range(len(imgs))))
+    c = copy.deepcopy(a)
+    blob = pickle.dumps([a, b, c], protocol=protocol)
+    la, lb, lc = pickle.loads(blob)
+    for i in range(len(imgs)):
+        assert la.tensors[i] is lb.tensors[i] and la.tensors[i] is lc.tensors[i], i
+    assert len(blob) < 1.5 * len(pickle.dumps(a, protocol=protocol))
+    assert physical(P.concat([la, lb, lc])) == len(imgs)
+
+
 # ============================================================================ extras
 
 
@@ -798,3 +839,21 @@ def test_extra_csr_and_nbytes(P: Any) -> None:
     assert csr.logical_nbytes() == 24 + 32 + 24
     r = P([a], 0).enable_deduplication().repeat_interleave(16)
     assert r.physical_nbytes() == 24 and r.logical_nbytes() == 16 * 24
+
+
+def test_extra_mmpack_errors_are_typed() -> None:
+    """mmpack's own failures are ``MmpackError`` subclasses (still ``ValueError`` where NeMo-RL
+    raises ``ValueError``)."""
+    from mmpack import PackedTensor
+    from mmpack.errors import LayoutError, MmpackError, ShardError
+
+    value = PackedTensor([torch.ones(1)] * 3, 0).enable_deduplication()
+    with pytest.raises(ShardError, match="3"):
+        value.shard(2)
+    with pytest.raises(ShardError):
+        value.shard(0)
+    with pytest.raises(MmpackError):
+        value.repeat_interleave(-1)
+    with pytest.raises(LayoutError, match="must start with 0"):
+        PackedTensor([torch.ones(1)], 0, _row_offsets=[1, 1], _segment_indices=[0])
+    assert issubclass(ShardError, ValueError) and issubclass(LayoutError, ValueError)

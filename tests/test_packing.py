@@ -7,7 +7,6 @@ import random
 
 import numpy as np
 import pytest
-
 from mmpack import errors
 from mmpack._reference import packing as ref
 from mmpack.packing import (
@@ -298,14 +297,15 @@ def test_every_algorithm_on_empty_input(algorithm: str) -> None:
     assert p.num_bins == 0 and p.bins() == [] and p.efficiency == 0.0 and p.lower_bound == 0
 
 
-@pytest.mark.parametrize("algorithm", ["best_fit_decreasing", "first_fit_decreasing",
-                                       "first_fit_shuffle", "concatenative"])
+@pytest.mark.parametrize(
+    "algorithm",
+    ["best_fit_decreasing", "first_fit_decreasing", "first_fit_shuffle", "concatenative"],
+)
 def test_media_budget_and_max_items(algorithm: str) -> None:
     rnd = random.Random(0)
     lengths = [rnd.randint(1, 100) for _ in range(300)]
     media = [rnd.choice([0, 0, 1, 2, 4]) for _ in range(300)]
-    p = pack(lengths, 100, algorithm=algorithm, media=media, media_capacity=4,
-             max_items_per_bin=3)
+    p = pack(lengths, 100, algorithm=algorithm, media=media, media_capacity=4, max_items_per_bin=3)
     check_invariants(p, lengths, 100, media=media, media_capacity=4, max_items=3)
 
 
@@ -396,10 +396,14 @@ def test_error_non_integer_lengths(lengths: object) -> None:
         ({"media": [1, 1, 1]}, "media_capacity: is required"),
         ({"media_capacity": 3}, "media: is required"),
         ({"media": [1], "media_capacity": 3}, "media: has 1 entries but lengths has 3"),
-        ({"algorithm": "modified_first_fit_decreasing", "max_items_per_bin": 2},
-         "does not support max_items_per_bin"),
-        ({"algorithm": "minimum_bin_slack", "media": [0, 0, 0], "media_capacity": 1},
-         "does not support a media budget"),
+        (
+            {"algorithm": "modified_first_fit_decreasing", "max_items_per_bin": 2},
+            "does not support max_items_per_bin",
+        ),
+        (
+            {"algorithm": "minimum_bin_slack", "media": [0, 0, 0], "media_capacity": 1},
+            "does not support a media budget",
+        ),
     ],
 )
 def test_error_bad_arguments(kwargs: dict[str, object], match: str) -> None:
@@ -467,3 +471,13 @@ def test_assign_to_ranks_uneven_and_errors() -> None:
         assign_to_ranks(p, 2, cost="flops")
     truncated = pack([5, 50], 10, on_oversize="truncate")
     assert assign_to_ranks(truncated, 1).rank_costs.tolist() == [15]
+
+
+@pytest.mark.parametrize("algorithm", ALGORITHMS)
+def test_huge_capacity_and_lengths_do_not_overflow(algorithm: str) -> None:
+    capacity = 2**62
+    lengths = [2**60 + 1, 2**61, 3, 2**62 - 5, 2**59]
+    p = pack(lengths, capacity, algorithm=algorithm)
+    check_invariants(p, lengths, capacity)
+    with pytest.raises(errors.IndexOverflowError, match="bin loads"):
+        pack([2**62] * 3, 2**62, algorithm=algorithm)  # the total overflows int64

@@ -9,15 +9,15 @@ import random
 import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
-from test_packing import check_invariants
-
 from mmpack import errors
 from mmpack._reference import packing as ref
 from mmpack.packing import ALGORITHMS, PackingAlgorithm, get_packer, pack
+from test_packing import check_invariants
 
 
-def _run(module: object, algorithm: str, capacity: int, lengths: list[int], kwargs: dict,
-         seed: int) -> tuple[object, float]:
+def _run(
+    module: object, algorithm: str, capacity: int, lengths: list[int], kwargs: dict, seed: int
+) -> tuple[object, float]:
     random.seed(seed)
     try:
         out: object = module.get_packer(algorithm, capacity, **kwargs).pack(lengths)  # type: ignore[attr-defined]
@@ -45,8 +45,9 @@ def nemo_cases(draw: st.DrawFn) -> tuple[str, int, list[int], dict, int]:
 @given(nemo_cases())
 def test_nemo_algorithms_equal_reference(case: tuple[str, int, list[int], dict, int]) -> None:
     algorithm, capacity, lengths, kwargs, seed = case
-    ours = _run(__import__("mmpack.packing", fromlist=["x"]), algorithm, capacity, lengths,
-                kwargs, seed)
+    ours = _run(
+        __import__("mmpack.packing", fromlist=["x"]), algorithm, capacity, lengths, kwargs, seed
+    )
     theirs = _run(ref, algorithm, capacity, lengths, kwargs, seed)
     assert ours == theirs
 
@@ -144,3 +145,21 @@ def test_errors_name_the_first_bad_item(lengths: list[int], capacity: int) -> No
             assert f"item {bad} has length {lengths[bad]}" in str(exc)
         else:
             raise AssertionError("no error")
+
+
+@given(
+    st.sampled_from(list(PackingAlgorithm)),
+    st.integers(100_000, 10**12),
+    st.lists(st.floats(0.01, 1.0), max_size=80),
+    st.integers(0, 2**32),
+)
+def test_large_capacities_use_the_sorted_fallbacks_and_equal_reference(
+    algorithm: PackingAlgorithm, capacity: int, fractions: list[float], seed: int
+) -> None:
+    lengths = [max(1, int(f * capacity)) for f in fractions]
+    random.seed(seed)
+    ours = get_packer(algorithm, capacity).pack(lengths)
+    random.seed(seed)
+    assert ours == ref.get_packer(algorithm.name, capacity).pack(lengths)
+    for name in ALGORITHMS:
+        check_invariants(pack(lengths, capacity, algorithm=name), lengths, capacity)

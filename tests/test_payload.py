@@ -185,3 +185,11 @@ def test_prepare_for_transfer_keys_dataclass_and_idempotence(PT: Any) -> None:
     assert again.media["images"]._segment_provenance == out.media["images"]._segment_provenance
     with pytest.raises(TypeError, match="floating"):
         payload.prepare_for_transfer(b, dtype=torch.int64)
+
+
+def test_the_same_packed_value_reached_twice_is_walked_once(PT: Any) -> None:
+    a = _img(10)
+    value = PT([a], 0).enable_deduplication().repeat_interleave(4)
+    stats = payload.measure({"x": value, "y": [value, value]})
+    assert stats.physical_segments == 1 and stats.logical_segments == 4
+    assert stats.logical_bytes == 4 * a.nbytes

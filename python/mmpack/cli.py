@@ -28,6 +28,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["demo"] and not (set(argv[1:2]) & {"-h", "--help"}):
+        # The demo's options belong to the pipeline; argparse would reject them here.
+        from mmpack.demos import main as demo_main
+
+        return demo_main(argv[1:])
     args = build_parser().parse_args(argv)
     module = importlib.import_module(_COMMANDS[args.command][0])
     return int(module.run(args))

@@ -36,7 +36,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--max-items-per-bin", type=int, default=None)
     parser.add_argument(
-        "--on-oversize", default="error", choices=("error", "skip", "truncate"),
+        "--on-oversize",
+        default="error",
+        choices=("error", "skip", "truncate"),
         help="what to do with lengths over the capacity",
     )
     parser.add_argument("--plot", default=None, help="write a histogram of bin fill to this PNG")
@@ -129,10 +131,14 @@ def read_lengths(path: str, column: str | None = None, progress: bool = True) ->
         if bar is not None:
             bar.close()
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-    raise PackingArgumentError(f"{path}: unknown file type {ext!r}; use .npy, .txt, .jsonl, .parquet")
+    raise PackingArgumentError(
+        f"{path}: unknown file type {ext!r}; use .npy, .txt, .jsonl, .parquet"
+    )
 
 
-def _timed(lengths: NDArray[Any], args: argparse.Namespace, algorithm: str) -> tuple[Packing, float]:
+def _timed(
+    lengths: NDArray[Any], args: argparse.Namespace, algorithm: str
+) -> tuple[Packing, float]:
     start = time.perf_counter()
     result = pack(
         lengths,
@@ -151,7 +157,7 @@ def _plot(results: list[Packing], path: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(7, 4))
-    bins = np.linspace(0.0, 1.0, 51)
+    bins = np.linspace(0.0, 1.0, 51).tolist()
     for r in results:
         fill = r.bin_loads / r.capacity
         ax.hist(fill, bins=bins, alpha=0.6, label=f"{r.algorithm} ({r.num_bins} bins)")
@@ -180,7 +186,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"lower bound ceil(sum/capacity): {first.lower_bound} bins")
     if len(first.oversize):
         print(f"oversize items ({args.on_oversize}): {len(first.oversize)}")
-    header = f"| {'algorithm':<30} | {'bins':>9} | {'over bound':>10} | {'efficiency':>10} | {'time':>10} |"
+    header = (
+        f"| {'algorithm':<30} | {'bins':>9} | {'over bound':>10} | {'efficiency':>10} "
+        f"| {'time':>10} |"
+    )
     print(header)
     print("|" + "|".join("-" * (len(c)) for c in header.split("|")[1:-1]) + "|")
     for r, dt in results:

@@ -37,6 +37,8 @@ import itertools
 import math
 import operator
 import pickle
+import threading
+import weakref
 from collections.abc import Iterator, Sequence
 from copy import deepcopy
 from typing import Any
@@ -59,6 +61,18 @@ _CORE_KEYS = frozenset(("tensors", "dim_to_pack", "pad_to_max_shape", "_layout")
 _RAW_KEYS = ("_row_offsets", "_segment_indices", "_segment_provenance")
 _BOTH_OR_NEITHER = "_row_offsets and _segment_indices must either both be set or both be None"
 _EMPTY_I64 = np.zeros(0, dtype=np.int64)
+
+
+class _Missing:
+    """Marks a value whose native handle was not built yet (raw ``__dict__`` state)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "<no PackedLayout yet>"
+
+
+_MISSING: Any = _Missing()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -185,17 +199,12 @@ class PackedTensor:
     See the module docstring for the states and the native handle.
     """
 
-    # Class-level default so values built by ``__new__`` + ``__dict__`` assignment (old
-    # pickles, NeMo-RL's own tests) read as legacy until their raw fields are adopted.
-    _layout: PackedLayout | None = None
+    # Class-level default: values built by ``__new__`` + ``__dict__`` assignment (old pickles,
+    # NeMo-RL's own tests) have no handle yet; ``_lay()`` adopts their raw fields on first use.
+    _layout: Any = _MISSING
     tensors: list[Any]
     dim_to_pack: Any
     pad_to_max_shape: Any
-
-    # Values with at least this many segments pickle through one buffer per dtype; smaller
-    # ones pickle their tensors normally, so tensors shared between many small values in one
-    # pickle stay shared (the pickle memo), as with NeMo-RL.
-    _PICKLE_BUFFER_MIN_SEGMENTS = 8
 
     def __init__(
         self,
@@ -217,12 +226,12 @@ class PackedTensor:
             items = tensors
         else:
             raise ValueError(f"Unsupported type for input tensors to PackedTensor: {type(tensors)}")
-        d = self.__dict__
-        d["tensors"] = items
-        d["dim_to_pack"] = dim_to_pack
-        d["pad_to_max_shape"] = pad_to_max_shape
-        d["_layout"] = None
-        d["_layout"] = _build_layout(
+        # Plain attribute stores (not ``__dict__[...]``) keep CPython's compact instance
+        # values: fewer objects for the garbage collector when thousands of values live.
+        self.tensors = items
+        self.dim_to_pack = dim_to_pack
+        self.pad_to_max_shape = pad_to_max_shape
+        self._layout = _build_layout(
             len(items), _row_offsets, _segment_indices, _segment_provenance
         )
 
@@ -236,20 +245,18 @@ class PackedTensor:
     ) -> PackedTensor:
         """Build a value from parts the core already validated (no checks)."""
         obj = object.__new__(cls)
-        obj.__dict__ = {
-            "tensors": tensors,
-            "dim_to_pack": dim_to_pack,
-            "pad_to_max_shape": pad_to_max_shape,
-            "_layout": layout,
-        }
+        obj.tensors = tensors
+        obj.dim_to_pack = dim_to_pack
+        obj.pad_to_max_shape = pad_to_max_shape
+        obj._layout = layout
         return obj
 
     # ----------------------------------------------------------------- handle and raw state
 
     def _lay(self) -> PackedLayout | None:
         lay = self._layout
-        if lay is None and "_layout" not in self.__dict__:
-            lay = self._adopt_raw()
+        if lay is _MISSING:
+            return self._adopt_raw()
         return lay
 
     def _adopt_raw(self) -> PackedLayout | None:
@@ -349,7 +356,7 @@ class PackedTensor:
         """The number of non-``None`` segments in each logical row."""
         lay = self._lay()
         if lay is None or not lay.is_csr:
-            return [0 if t is None else 1 for t in self.tensors]
+            return PackedLayout.presence(self._tensor_list())
         return lay.counts(self._tensor_list())
 
     def iter_logical_segments(self) -> Iterator[Any]:
@@ -389,12 +396,18 @@ class PackedTensor:
 
     def __deepcopy__(self, memo: dict[int, Any]) -> PackedTensor:
         """Dedup values share their tensors and provenance; others deep-copy their tensors."""
-        lay = self._lay()
+        lay = self._layout
+        if lay is _MISSING:
+            lay = self._lay()
         if lay is not None and lay.has_provenance:
             tensors = list(self.tensors)
         else:
             tensors = [deepcopy(item, memo) for item in self.tensors]
-        copied = type(self)._make(tensors, self.dim_to_pack, self.pad_to_max_shape, lay)
+        copied = object.__new__(type(self))
+        copied.tensors = tensors
+        copied.dim_to_pack = self.dim_to_pack
+        copied.pad_to_max_shape = self.pad_to_max_shape
+        copied._layout = lay
         memo[id(self)] = copied
         return copied
 
@@ -469,8 +482,14 @@ class PackedTensor:
                 self.dim_to_pack,
                 pad_to_max_shape=self.pad_to_max_shape,
             )
-        rows = _rows_array(indices, len(self))
-        new_lay, new_tensors = lay.slice(self._tensor_list(), rows)
+        if type(indices) is list:
+            try:
+                new_lay, new_tensors = lay.slice(self._tensor_list(), indices)
+            except OverflowError:  # ints beyond int64: NeMo-RL's IndexError
+                _rows_array(indices, len(self))
+                raise
+        else:
+            new_lay, new_tensors = lay.slice(self._tensor_list(), _rows_array(indices, len(self)))
         return type(self)._make(new_tensors, self.dim_to_pack, self.pad_to_max_shape, new_lay)
 
     @classmethod
@@ -627,10 +646,10 @@ class PackedTensor:
 
     def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
         """Pickle as ``copyreg._reconstructor(cls, object, None)`` plus a state dict that
-        ``__setstate__`` recognizes (only builtin types inside, so restricted unpicklers that
-        admit the class admit the value): the row mapping as int64 bytes and one provenance
-        blob, and the segments either as the plain list (small values, pickled normally) or as
-        one byte buffer per dtype plus a shape table (see ``_encode_tensors``)."""
+        ``__setstate__`` recognizes, holding only builtin types and further such objects (so a
+        restricted unpickler that admits the class admits the value). The row mapping travels
+        as int64 bytes and one provenance blob; plain CPU tensors travel as one byte buffer per
+        dtype (see "pickle format" below), shared by every value of the same pickle."""
         lay = self._lay()
         layout_state = None
         if lay is not None:
@@ -642,14 +661,12 @@ class PackedTensor:
             )
         d = self.__dict__
         extra = {k: v for k, v in d.items() if k not in _CORE_KEYS} or None
-        proto = protocol if isinstance(protocol, int) else 2
-        payload = _encode_tensors(self.tensors, self._PICKLE_BUFFER_MIN_SEGMENTS, proto)
         state = {
             _STATE_KEY: 1,
             "dim_to_pack": self.dim_to_pack,
             "pad_to_max_shape": self.pad_to_max_shape,
             "layout": layout_state,
-            "payload": payload,
+            "segments": _encode_segments(self.tensors),
             "extra": extra,
         }
         return (copyreg._reconstructor, (type(self), object, None), state)  # type: ignore[attr-defined]
@@ -680,22 +697,28 @@ def _pad_to_max(items: list[torch.Tensor], dim_to_pack: int) -> list[torch.Tenso
 # ---------------------------------------------------------------------------------------------
 # pickle format
 #
-# The state dict holds (_STATE_KEY: 1, dim_to_pack, pad_to_max_shape, layout, payload, extra).
-# layout is None (state L) or (offsets, indices, provenance): little-endian int64 bytes (None
-# without CSR) and 16 bytes per segment (None without provenance). payload is either the plain
-# ``tensors`` list (pickled normally), or the tuple
-#   ("mmpack.segments/1", codes, refs, ranks, dims, groups, others)
-# where codes/refs/ranks/dims are little-endian int64 bytes with, per physical slot i:
-#   codes[i] >= 0: a tensor in dtype group codes[i]; its shape is the next ranks[i] values of
-#                  dims; its elements follow the previous member's in the group's buffer;
-#   codes[i] == -1: None;   codes[i] == -2: others[refs[i]] (pickled normally);
-#   codes[i] == -3: the same object as slot refs[i] (sharing inside one value).
-# groups is a list of (dtype name, buffer): the group members' bytes back to back in C order,
-# as a PickleBuffer (protocol 5: out-of-band capable) or bytes. Restored tensors are views
-# into one writable buffer per dtype, with requires_grad=False.
+# A value pickles as copyreg._reconstructor(cls, object, None) + a state dict
+#   {_STATE_KEY: 1, dim_to_pack, pad_to_max_shape, layout, segments, extra}
+# layout: None (state L) or (offsets, indices, provenance): little-endian int64 bytes (None
+#   without CSR) and 16 bytes per segment (None without provenance).
+# segments: ("mmpack.segments/2", codes, pos, groups, others); codes/pos are little-endian
+#   int64 bytes, one entry per physical slot i:
+#     codes[i] == -1: None;  codes[i] == -2: others[pos[i]] (pickled normally);
+#     codes[i] == k >= 0: groups[k].tensors[pos[i]].
+# A group is an object pickled like a PackedTensor with state
+#   {_STATE_KEY: 1, "group": ("mmpack.group/1", dtypes, ranks, dims, buffers)}: member j has
+#   dtype buffers[dtypes[j]][0] and shape = the next ranks[j] values of dims; buffers is a list of
+#   (dtype name, bytes of the members of that dtype back to back in C order), as a PickleBuffer
+#   (protocol >= 5, out-of-band capable) or bytes. It unpickles as a private legacy PackedTensor
+#   whose ``tensors`` are views into one writable buffer per dtype (requires_grad=False).
+# Groups are what keeps tensor identity across values in one pickle (NeMo-RL gets it from the
+# pickle memo): the first value that pickles a tensor puts it in its own group; later values of
+# the same pickling operation reference that group object, which the memo writes once. An
+# operation is recognized by a token that only the groups of the running pickle keep alive.
 
 _STATE_KEY = "__mmpack_packed_tensor__"
-_FORMAT = "mmpack.segments/1"
+_SEGMENTS_FORMAT = "mmpack.segments/2"
+_GROUP_FORMAT = "mmpack.group/1"
 _BUFFER_DTYPES = {
     d: str(d).removeprefix("torch.")
     for d in (
@@ -715,25 +738,62 @@ _BUFFER_DTYPES = {
 }
 
 
+_STRIDED = torch.strided
+_TENSOR = torch.Tensor
+
+
 def _bufferable(t: Any) -> bool:
+    """A plain CPU tensor whose bytes can be written as they are (no autograd, subclass,
+    sparse/nested layout or lazy conjugate/negative bit)."""
     return (
-        type(t) is torch.Tensor
+        type(t) is _TENSOR
         and t.dtype in _BUFFER_DTYPES
         and t.is_cpu
         and not t.requires_grad
-        and t.layout == torch.strided
+        and t.layout is _STRIDED
         and not t.is_nested
         and not t.is_neg()
-        and not (t.is_complex() and t.is_conj())
+        and not t.is_conj()
     )
 
 
-def _oversized_view(t: Any) -> bool:
-    """A CPU tensor whose storage is much larger than itself (pickling it normally would
-    write the whole storage)."""
-    if not _bufferable(t):
-        return False
-    return bool(t.untyped_storage().nbytes() > 2 * _nbytes(t) + 4096)
+class _PickleOp:
+    """Token of one pickling operation: which tensors already sit in which group."""
+
+    __slots__ = ("__weakref__", "written")
+
+    def __init__(self) -> None:
+        self.written: dict[int, tuple[weakref.ref[_Group], int]] = {}
+
+
+class _Group:
+    """Tensors written together (pickled as a private PackedTensor, see "pickle format")."""
+
+    __slots__ = ("__weakref__", "members", "op", "ref")
+
+    def __init__(self, op: _PickleOp) -> None:
+        self.members: list[torch.Tensor] = []
+        self.op = op  # keeps the operation's token alive while the pickler's memo holds us
+        self.ref = weakref.ref(self)
+
+    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
+        proto = protocol if isinstance(protocol, int) else 2
+        state = {_STATE_KEY: 1, "group": _encode_group(self.members, proto)}
+        return (copyreg._reconstructor, (PackedTensor, object, None), state)  # type: ignore[attr-defined]
+
+
+_current_op: Any = lambda: None  # noqa: E731  (a dead weak reference)
+_op_lock = threading.Lock()
+
+
+def _pickle_op() -> _PickleOp:
+    global _current_op
+    with _op_lock:
+        op = _current_op()
+        if op is None:
+            op = _PickleOp()
+            _current_op = weakref.ref(op)
+        return op
 
 
 def _i64_bytes(values: Any) -> bytes:
@@ -748,65 +808,81 @@ def _i64_array(data: Any) -> np.ndarray:
     return np.frombuffer(data, dtype="<i8").astype(np.int64, copy=False)
 
 
-def _encode_tensors(tensors: list[Any], min_segments: int, protocol: int) -> Any:
+def _encode_segments(tensors: list[Any]) -> Any:
     n = len(tensors)
-    if n < min_segments and not any(_oversized_view(t) for t in tensors):
-        return tensors
-    codes = [0] * n
-    refs = [0] * n
-    ranks = [0] * n
-    dims: list[int] = []
-    group_of: dict[torch.dtype, int] = {}
-    members: list[list[torch.Tensor]] = []
+    codes = [-1] * n
+    pos = [0] * n
+    groups: list[_Group] = []
+    group_slot: dict[int, int] = {}
     others: list[Any] = []
-    seen: dict[int, int] = {}
+    seen: dict[int, tuple[int, int]] = {}
+    op: _PickleOp | None = None
+    own: _Group | None = None
+    own_slot = 0
     for i, t in enumerate(tensors):
         if t is None:
-            codes[i] = -1
             continue
-        first = seen.get(id(t))
-        if first is not None:
-            codes[i] = -3
-            refs[i] = first
-            continue
-        seen[id(t)] = i
-        if _bufferable(t):
-            dtype = t.dtype
-            g = group_of.get(dtype)
-            if g is None:
-                g = group_of[dtype] = len(members)
-                members.append([])
-            members[g].append(t)
-            codes[i] = g
-            shape = t.shape
-            ranks[i] = len(shape)
-            dims.extend(shape)
-        else:
-            codes[i] = -2
-            refs[i] = len(others)
-            others.append(t)
-    groups: list[tuple[str, Any]] = []
-    for dtype, g in group_of.items():
-        flat = _flatten_dense_tensors(members[g])
-        arr = flat.view(torch.uint8).numpy()
+        key = id(t)
+        hit = seen.get(key)
+        if hit is None:
+            if op is None:
+                op = _pickle_op()
+            entry = op.written.get(key)
+            group = entry[0]() if entry is not None else None
+            if group is not None and entry is not None:
+                k = group_slot.get(id(group))
+                if k is None:
+                    k = group_slot[id(group)] = len(groups)
+                    groups.append(group)
+                hit = (k, entry[1])
+            elif _bufferable(t):
+                if own is None:
+                    own = _Group(op)
+                    own_slot = group_slot[id(own)] = len(groups)
+                    groups.append(own)
+                j = len(own.members)
+                own.members.append(t)
+                op.written[key] = (own.ref, j)
+                hit = (own_slot, j)
+            else:
+                hit = (-2, len(others))
+                others.append(t)
+            seen[key] = hit
+        codes[i], pos[i] = hit
+    return (_SEGMENTS_FORMAT, _i64_bytes(codes), _i64_bytes(pos), groups, others)
+
+
+def _encode_group(members: list[torch.Tensor], protocol: int) -> Any:
+    n = len(members)
+    dtypes = [0] * n
+    ranks = [0] * n
+    dims: list[int] = []
+    by_dtype: dict[torch.dtype, int] = {}
+    parts: list[list[torch.Tensor]] = []
+    for j, t in enumerate(members):
+        dtype = t.dtype
+        g = by_dtype.get(dtype)
+        if g is None:
+            g = by_dtype[dtype] = len(parts)
+            parts.append([])
+        parts[g].append(t)
+        dtypes[j] = g
+        shape = t.shape
+        ranks[j] = len(shape)
+        dims.extend(shape)
+    buffers: list[tuple[str, Any]] = []
+    for dtype, g in by_dtype.items():
+        arr = _flatten_dense_tensors(parts[g]).view(torch.uint8).numpy()
         buf: Any = pickle.PickleBuffer(arr) if protocol >= 5 else arr.tobytes()
-        groups.append((_BUFFER_DTYPES[dtype], buf))
-    return (
-        _FORMAT,
-        _i64_bytes(codes),
-        _i64_bytes(refs),
-        _i64_bytes(ranks),
-        _i64_bytes(dims),
-        groups,
-        others,
-    )
+        buffers.append((_BUFFER_DTYPES[dtype], buf))
+    return (_GROUP_FORMAT, _i64_bytes(dtypes), _i64_bytes(ranks), _i64_bytes(dims), buffers)
 
 
 def _unflatten_into(
     out: list[Any], base: torch.Tensor, slots: list[int], shapes: list[Any]
 ) -> None:
-    """Views of ``base`` for the group members ``slots`` (in order), into ``out``: runs of
-    members with one shape become one ``view(k, *shape).unbind(0)``."""
+    """Views of ``base`` for the members ``slots`` (in order), into ``out``: runs of members
+    with one shape become one ``view(k, *shape).unbind(0)``."""
     pos = 0
     j = 0
     n = len(slots)
@@ -838,26 +914,22 @@ def _writable_bytes(buf: Any) -> Any:
     return buf
 
 
-def _decode_tensors(payload: Any) -> list[Any]:
-    if isinstance(payload, list):
-        return payload
-    fmt, codes, refs, ranks, dims, groups, others = payload
-    if fmt != _FORMAT:
+def _decode_group(payload: Any) -> list[Any]:
+    fmt, dtypes, ranks, dims, buffers = payload
+    if fmt != _GROUP_FORMAT:
         raise LayoutError(f"unknown PackedTensor pickle format {fmt!r}")
-    codes_l, refs_l = _i64_list(codes), _i64_list(refs)
-    ranks_l, dims_l = _i64_list(ranks), _i64_list(dims)
-    n = len(codes_l)
+    dtypes_l, ranks_l, dims_l = _i64_list(dtypes), _i64_list(ranks), _i64_list(dims)
+    n = len(dtypes_l)
     shapes: list[Any] = [None] * n
-    group_slots: list[list[int]] = [[] for _ in groups]
-    pos = 0
-    for i, c in enumerate(codes_l):
-        if c >= 0:
-            r = ranks_l[i]
-            shapes[i] = tuple(dims_l[pos : pos + r])
-            pos += r
-            group_slots[c].append(i)
+    slots: list[list[int]] = [[] for _ in buffers]
+    at = 0
+    for j in range(n):
+        r = ranks_l[j]
+        shapes[j] = tuple(dims_l[at : at + r])
+        at += r
+        slots[dtypes_l[j]].append(j)
     out: list[Any] = [None] * n
-    for (name, buf), slots in zip(groups, group_slots, strict=False):
+    for (name, buf), members in zip(buffers, slots, strict=True):
         dtype = getattr(torch, name, None)
         if not isinstance(dtype, torch.dtype):
             raise LayoutError(f"unknown dtype {name!r} in a PackedTensor pickle")
@@ -866,17 +938,35 @@ def _decode_tensors(payload: Any) -> list[Any]:
             base = torch.empty(0, dtype=dtype)
         else:
             base = torch.frombuffer(data, dtype=torch.uint8).view(dtype)
-        _unflatten_into(out, base, slots, shapes)
-    for i, c in enumerate(codes_l):
-        if c == -2:
-            out[i] = others[refs_l[i]]
-        elif c == -3:
-            out[i] = out[refs_l[i]]
+        _unflatten_into(out, base, members, shapes)
+    return out
+
+
+def _decode_segments(payload: Any) -> list[Any]:
+    fmt, codes, pos, groups, others = payload
+    if fmt != _SEGMENTS_FORMAT:
+        raise LayoutError(f"unknown PackedTensor pickle format {fmt!r}")
+    group_lists = [g.members if isinstance(g, _Group) else g.tensors for g in groups]
+    out: list[Any] = []
+    append = out.append
+    for c, j in zip(_i64_list(codes), _i64_list(pos), strict=True):
+        if c >= 0:
+            append(group_lists[c][j])
+        elif c == -1:
+            append(None)
+        else:
+            append(others[j])
     return out
 
 
 def _restore_into(obj: PackedTensor, state: dict[str, Any]) -> None:
-    tensors = _decode_tensors(state["payload"])
+    if "group" in state:
+        obj.tensors = _decode_group(state["group"])
+        obj.dim_to_pack = 0
+        obj.pad_to_max_shape = False
+        obj._layout = None
+        return
+    tensors = _decode_segments(state["segments"])
     lay = None
     layout_state = state["layout"]
     if layout_state is not None:
@@ -887,12 +977,10 @@ def _restore_into(obj: PackedTensor, state: dict[str, Any]) -> None:
             None if indices is None else _i64_array(indices),
             provenance_blob=None if blob is None else bytes(blob),
         )
-    obj.__dict__ = {
-        "tensors": tensors,
-        "dim_to_pack": state["dim_to_pack"],
-        "pad_to_max_shape": state["pad_to_max_shape"],
-        "_layout": lay,
-    }
+    obj.tensors = tensors
+    obj.dim_to_pack = state["dim_to_pack"]
+    obj.pad_to_max_shape = state["pad_to_max_shape"]
+    obj._layout = lay
     extra = state.get("extra")
     if extra:
         obj.__dict__.update(extra)

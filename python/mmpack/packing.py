@@ -14,11 +14,15 @@ Algorithms (``ALGORITHMS``):
   ``random.Random(seed).shuffle`` does.
 - ``best_fit_decreasing`` (default): counting sort + bins bucketed by remaining capacity with
   a hierarchical bitset: ``O(n + capacity)``.
-- ``minimum_bin_slack``: builds bins one at a time, each the largest remaining item plus the
-  subset of the rest that leaves the least slack, found by a depth-first search of at most
-  ``search_budget`` nodes per bin (``O(n log n + bins * budget * log D)``, D distinct lengths);
-  the result of best-fit decreasing is kept instead when it is not worse, so this never uses
-  more bins than best fit, and uses fewer on hard inputs.
+- ``minimum_bin_slack``: the improvement algorithm. Builds bins one at a time, each the
+  largest remaining item plus the subset of the rest that leaves the least slack, found by a
+  depth-first search of at most ``search_budget`` nodes per bin. Candidates are that result,
+  its near-perfect prefix followed by best-fit decreasing on the remaining items (four
+  tolerances), and plain best-fit decreasing; the fewest bins wins, so it never uses more bins
+  than best fit and uses fewer on hard inputs (many items between a quarter and a half of the
+  capacity). Time bound: ``O(n log n + bins * search_budget * log D)`` (D distinct lengths);
+  about 0.5-1 s per million items at the default budget of 256. Tokens and
+  ``max_items_per_bin`` only (no media budget).
 
 ``get_packer(...)`` is a drop-in for ``nemo_rl.data.packing.get_packer``: same algorithm names,
 same ``list[list[int]]`` output, same errors and metrics.
@@ -27,6 +31,7 @@ same ``list[list[int]]`` output, same errors and metrics.
 from __future__ import annotations
 
 import enum
+import itertools
 import math
 import operator
 import random
@@ -199,7 +204,7 @@ class Packing:
         millions of items; prefer the flat arrays)."""
         items = self.item_indices.tolist()
         offsets = self.bin_offsets.tolist()
-        return [items[a:b] for a, b in zip(offsets, offsets[1:])]
+        return [items[a:b] for a, b in itertools.pairwise(offsets)]
 
     def __repr__(self) -> str:
         return (
@@ -314,7 +319,7 @@ class RankAssignment:
         """Bin indices per rank as lists."""
         bins = self.bin_indices.tolist()
         offsets = self.rank_offsets.tolist()
-        return [bins[a:b] for a, b in zip(offsets, offsets[1:])]
+        return [bins[a:b] for a, b in itertools.pairwise(offsets)]
 
 
 def assign_to_ranks(packing: Packing, num_ranks: int, *, cost: str = "tokens") -> RankAssignment:
@@ -497,9 +502,7 @@ class PackingMetrics:
             f"Average waste ratio: {stats['average_waste_ratio']:.4f} "
             f"(min: {stats['min_waste_ratio']:.4f}, max: {stats['max_waste_ratio']:.4f})"
         )
-        print(
-            f"Bin efficiency (theoretical min bins / actual bins): {stats['bin_efficiency']:.4f}"
-        )
+        print(f"Bin efficiency (theoretical min bins / actual bins): {stats['bin_efficiency']:.4f}")
         if "average_packing_time" in stats:
             print(f"Average packing time: {stats['average_packing_time']:.6f} seconds")
         print("===============================\n")

@@ -11,6 +11,8 @@ from shapes alone, in O(segments):
 * **logical**: what the receiver materializes. A ``PackedTensor`` contributes each logical
   segment, repeats included (unpadded). A plain tensor or array is one physical and one logical
   segment; the same plain tensor reached twice is one physical segment and two logical ones.
+  A container or ``PackedTensor`` object reached twice is walked once (pickle sends it once
+  too), which also makes cycles harmless.
 
 ``measure(obj, serialized=True)`` also pickles ``obj`` (protocol 5, out-of-band buffers
 collected) and reports the exact size: the pickle stream plus every out-of-band buffer.
@@ -132,45 +134,56 @@ def _segment_order(value: Any, n: int) -> np.ndarray | None:
 _SCALARS = frozenset((str, bytes, bytearray, int, float, bool, complex, type(None)))
 
 
-def _walk(obj: Any, acc: _Acc, stack: set[int]) -> None:
-    tp = type(obj)
-    if tp in _SCALARS:
-        return
-    children: Iterable[Any]
-    if tp is dict:
-        children = obj.values()
-    elif tp is list or tp is tuple:
-        children = obj
-    elif isinstance(obj, torch.Tensor):
-        acc.leaf(obj.nbytes, id(obj))
-        return
-    elif isinstance(obj, np.ndarray):
-        acc.leaf(int(obj.nbytes), id(obj))
-        return
-    elif _is_packed(obj):
-        acc.packed(obj)
-        return
-    elif isinstance(obj, Mapping):
-        children = obj.values()
-    elif isinstance(obj, (list, tuple, set, frozenset)):
-        children = obj
-    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        children = [getattr(obj, f.name) for f in dataclasses.fields(obj)]
-    else:
-        return
-    key = id(obj)
-    if key in stack:
-        return
-    stack.add(key)
-    for child in children:
-        ctp = type(child)
-        if ctp in _SCALARS:
+def _walk(root: Any, acc: _Acc) -> None:
+    """Iterative walk; every container object is entered once (which also ends cycles)."""
+    entered: set[int] = set()
+    todo = [root]
+    pop = todo.pop
+    push = todo.extend
+    seen = acc.seen
+    tensor_t = torch.Tensor
+    while todo:
+        obj = pop()
+        tp = type(obj)
+        if tp in _SCALARS:
             continue
-        if ctp is torch.Tensor:
-            acc.leaf(child.nbytes, id(child))
-        else:
-            _walk(child, acc, stack)
-    stack.discard(key)
+        if tp is tensor_t:
+            nb = obj.nbytes
+            acc.logical_bytes += nb
+            acc.logical_segments += 1
+            key = id(obj)
+            if key not in seen:
+                seen.add(key)
+                acc.physical_bytes += nb
+                acc.physical_segments += 1
+            continue
+        if tp is dict or tp is list or tp is tuple:
+            key = id(obj)
+            if key in entered:
+                continue
+            entered.add(key)
+            push(obj.values() if tp is dict else obj)
+            continue
+        if isinstance(obj, torch.Tensor):
+            acc.leaf(obj.nbytes, id(obj))
+        elif isinstance(obj, np.ndarray):
+            acc.leaf(int(obj.nbytes), id(obj))
+        elif _is_packed(obj):
+            if id(obj) not in entered:
+                entered.add(id(obj))
+                acc.packed(obj)
+        elif isinstance(obj, (Mapping, list, tuple, set, frozenset)) or (
+            dataclasses.is_dataclass(obj) and not isinstance(obj, type)
+        ):
+            if id(obj) in entered:
+                continue
+            entered.add(id(obj))
+            if isinstance(obj, Mapping):
+                push(obj.values())
+            elif isinstance(obj, (list, tuple, set, frozenset)):
+                push(obj)
+            else:
+                push(getattr(obj, f.name) for f in dataclasses.fields(obj))
 
 
 def serialized_nbytes(obj: Any) -> int:
@@ -193,7 +206,7 @@ def measure(obj: Any, *, serialized: bool = False) -> PayloadStats:
     From shapes only, in O(segments), unless ``serialized=True``, which also pickles ``obj``
     once to fill ``serialized_bytes``."""
     acc = _Acc()
-    _walk(obj, acc, set())
+    _walk(obj, acc)
     return PayloadStats(
         physical_bytes=acc.physical_bytes,
         logical_bytes=acc.logical_bytes,

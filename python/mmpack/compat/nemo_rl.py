@@ -59,9 +59,9 @@ _PACKED_CLASS_PATHS = frozenset(
         ("mmpack", "PackedTensor"),
     }
 )
-_BUILTINS = frozenset(
-    {"set", "frozenset", "bytearray", "complex", "object", "list", "dict", "tuple", "bytes"}
-)
+# builtins that pickles reference by name (containers and bytes use opcodes); ``object`` is the
+# base ``copyreg._reconstructor`` gets under protocols 0 and 1
+_BUILTINS = frozenset({"set", "frozenset", "bytearray", "complex", "object"})
 _ZIP_MAGIC = b"PK\x03\x04"
 _PY2_MODULES = {"copy_reg": "copyreg", "__builtin__": "builtins"}
 

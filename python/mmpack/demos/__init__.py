@@ -1,10 +1,15 @@
 """``mmpack demo``: the main job. ``sft`` is the packed multimodal SFT pipeline on Energon,
-``rl`` the GRPO-shaped media pipeline (G-expansion, DP sharding, pickling, re-concat)."""
+``rl`` the GRPO-shaped media pipeline (G-expansion, DP sharding, pickling, re-concat).
+
+``mmpack demo [PIPELINE] [OPTIONS]``: options go to the pipeline, so ``mmpack demo --samples 500``
+and ``mmpack demo sft --samples 500`` are the same; ``mmpack demo rl -h`` lists the RL options.
+"""
 
 from __future__ import annotations
 
 import argparse
 import importlib
+from collections.abc import Sequence
 
 _PIPELINES = {"sft": "mmpack.demos.sft", "rl": "mmpack.demos.rl"}
 DEFAULT_PIPELINE = "sft"
@@ -19,10 +24,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"which pipeline to run (default: {DEFAULT_PIPELINE})",
     )
     parser.add_argument(
-        "rest", nargs=argparse.REMAINDER, help="options for the pipeline (see `demo PIPELINE -h`)"
+        "options", nargs=argparse.REMAINDER, help="options for the pipeline (see `demo PIPELINE -h`)"
     )
 
 
+def main(argv: Sequence[str]) -> int:
+    """Route ``argv`` (everything after ``demo``) to the chosen pipeline's ``main``."""
+    argv = list(argv)
+    pipeline = DEFAULT_PIPELINE
+    if argv and argv[0] in _PIPELINES:
+        pipeline = argv.pop(0)
+    module = importlib.import_module(_PIPELINES[pipeline])
+    return int(module.main(argv))
+
+
 def run(args: argparse.Namespace) -> int:
-    module = importlib.import_module(_PIPELINES[args.pipeline])
-    return int(module.main(list(args.rest)))
+    return main([args.pipeline, *args.options])

@@ -111,10 +111,11 @@ def run_pipeline(
     dp: int,
     repeats: int,
 ) -> StepTimes:
-    """Run the pipeline ``repeats`` times; record the median time of every step."""
+    """Run the pipeline once to warm up, then ``repeats`` times; record the median time of
+    every step."""
     samples: dict[str, list[float]] = {step: [] for step in STEPS}
     out = StepTimes()
-    for _ in range(max(1, repeats)):
+    for attempt in range(max(1, repeats) + 1):  # attempt 0 warms up and is not counted
         gc.collect()
         clock = time.perf_counter
         t0 = clock()
@@ -132,6 +133,8 @@ def run_pipeline(
         t6 = clock()
         materialized = loaded[0].as_tensor()  # what DP rank 0 feeds its model
         t7 = clock()
+        if attempt == 0:
+            continue
         for step, dt in zip(
             STEPS, (t1 - t0, t2 - t1, t3 - t2, t4 - t3, t5 - t4, t6 - t5, t7 - t6), strict=True
         ):

@@ -30,6 +30,7 @@ from typing import Any, TypeVar
 import numpy as np
 from megatron.energon import DefaultTaskEncoder, SkipSample, stateless
 from megatron.energon.errors import FatalSampleError
+from megatron.energon.task_encoder.base import get_failure_tolerance, get_stateless
 
 from mmpack.energon.config import PackingEncoderConfig
 from mmpack.energon.cookers import default_cookers
@@ -132,6 +133,7 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
             backend
         )
         self._probe_packer()
+        self._check_hooks()
         self.stats = LoaderStats()
         self._consecutive_skips = 0
         self._skips_in_a_row: dict[str, int] = {}
@@ -150,6 +152,37 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
             )
         return {t: int(vocab[t]) for t in needed}
 
+    #: Hooks Energon re-runs when it restores a checkpoint (must be @stateless, finite tolerance).
+    RESTORED_HOOKS = (
+        "cook_crude_sample",
+        "preencode_sample",
+        "postencode_sample",
+        "pack_selected_samples",
+        "batch",
+    )
+    #: Hooks that only need a finite failure tolerance.
+    OTHER_HOOKS = ("select_samples_to_pack", "encode_batch")
+
+    def _check_hooks(self) -> None:
+        """A subclass's hook overrides must stay restorable and keep a finite tolerance: fail
+        here, not after a resume (Energon checks statelessness only when restoring) or when a
+        broken dataset never stops."""
+        problems = []
+        for name in (*self.RESTORED_HOOKS, *self.OTHER_HOOKS):
+            hook = getattr(self, name)
+            if name in self.RESTORED_HOOKS and not get_stateless(hook):
+                problems.append(
+                    f"{name} is not @stateless (Energon re-runs it on restore; use "
+                    "@stateless, or @stateless(restore_seeds=True) if it uses randomness)"
+                )
+            tolerance = get_failure_tolerance(hook, self.config.failure_tolerance)
+            if tolerance <= 0:
+                problems.append(
+                    f"{name} has failure_tolerance={tolerance}, which Energon reads as 'never stop'"
+                )
+        if problems:
+            raise EnergonConfigError(f"{type(self).__name__}: " + "; ".join(problems))
+
     def _probe_packer(self) -> None:
         """Fail at construction (not in a worker) if the packing options are invalid."""
         cfg = self.config
@@ -167,6 +200,14 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
             raise EnergonConfigError(
                 f"packing options rejected by mmpack.packing.pack: {type(err).__name__}: {err}"
             ) from err
+
+    def dataset_options(self) -> dict[str, int]:
+        """The packing options of ``get_train_dataset`` / ``get_val_dataset`` that must match
+        this encoder's config: ``get_train_dataset(path, **encoder.dataset_options(), ...)``."""
+        return {
+            "batch_size": self.config.batch_size,
+            "packing_buffer_size": self.config.packing_buffer_size,
+        }
 
     # ------------------------------------------------------------------ user override point
 

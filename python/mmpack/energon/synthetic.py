@@ -117,7 +117,7 @@ def write_synthetic_dataset(
     broken_every: int = 150,
     skip_every: int = 60,
     capacity: int = 2048,
-    media_pool: int = 24,
+    media_pool: int = 12,
     all_fates: str | None = None,
 ) -> SyntheticDataset:
     """Write ``num_samples`` conversations (split over `formats`) under `root`, prepare them with

@@ -66,6 +66,8 @@ pub enum CoreError {
     GatherUneven { source: usize, len: usize, outer: usize },
     /// The output buffer does not have the gathered length.
     GatherSize { expected: usize, actual: usize },
+    /// A gather range `[start, start + len)` does not lie inside the source buffer.
+    GatherRange { segment: usize, start: i64, len: i64, src_len: usize },
 }
 
 impl fmt::Display for CoreError {
@@ -176,6 +178,10 @@ impl fmt::Display for CoreError {
             Self::GatherSize { expected, actual } => write!(
                 f,
                 "gather output buffer has {actual} bytes but the gathered segments need {expected}"
+            ),
+            Self::GatherRange { segment, start, len, src_len } => write!(
+                f,
+                "gather range of segment {segment} (start {start}, {len} bytes) does not lie inside the {src_len}-byte source"
             ),
         }
     }

@@ -90,9 +90,7 @@ pub fn gather_into(
         return Ok(());
     }
     let outer = outer.max(1);
-    // Carve the output into (destination, source) pieces in output order.
-    let mut pieces: Vec<(&mut [u8], &[u8])> = Vec::with_capacity(order.len().saturating_mul(outer));
-    let mut rest = out;
+    let mut blocks: Vec<&[u8]> = Vec::with_capacity(order.len().saturating_mul(outer));
     for o in 0..outer {
         for (at, &index) in order.iter().enumerate() {
             let k = checked_source(index, at, sources.len())?;
@@ -109,33 +107,149 @@ pub fn gather_into(
                 len: src.len(),
                 outer,
             })?;
-            if block == 0 {
-                continue;
-            }
-            if rest.len() < block {
-                return Err(CoreError::GatherSize {
-                    expected,
-                    actual: 0,
-                });
-            }
-            let (dst, tail) = std::mem::take(&mut rest).split_at_mut(block);
-            rest = tail;
-            if block > MAX_PIECE_BYTES {
-                pieces.extend(
-                    dst.chunks_mut(MAX_PIECE_BYTES)
-                        .zip(src_block.chunks(MAX_PIECE_BYTES)),
-                );
-            } else {
-                pieces.push((dst, src_block));
-            }
+            blocks.push(src_block);
         }
     }
-    if expected < PARALLEL_MIN_BYTES || rayon::current_num_threads() < 2 {
+    copy_blocks(out, &blocks)
+}
+
+/// Gather byte ranges of one source buffer into `out`: segment `k` is
+/// `src[o * src_stride + starts[k] ..][.. lens[k]]` in outer block `o`, and the output is, for
+/// each `o` in `0..outer`, segment `order[j]` for every `j` in turn.
+///
+/// This is [`gather_into`] for segments that were first compacted into one buffer (one native
+/// view instead of one per segment, which is what costs when segments are many and small).
+///
+/// # Errors
+/// `GatherSize` when `starts` and `lens` differ in length or `out` has the wrong length,
+/// `GatherIndex` for an `order` entry outside `[0, starts.len())`, `GatherRange` for a negative
+/// start or length or a range past the end of `src`, `IndexOverflow` on overflow.
+pub fn gather_ranges_into(
+    out: &mut [u8],
+    src: &[u8],
+    starts: &[i64],
+    lens: &[i64],
+    order: &[i64],
+    outer: usize,
+    src_stride: usize,
+) -> CoreResult<()> {
+    if starts.len() != lens.len() {
+        return Err(CoreError::GatherSize {
+            expected: starts.len(),
+            actual: lens.len(),
+        });
+    }
+    // Validate every segment's range in the last outer block (the others lie before it).
+    let last = outer
+        .saturating_sub(1)
+        .checked_mul(src_stride)
+        .ok_or(CoreError::IndexOverflow {
+            what: "gather source offset",
+        })?;
+    let mut ranges: Vec<(usize, usize)> = Vec::with_capacity(starts.len());
+    for (segment, (&start, &len)) in starts.iter().zip(lens).enumerate() {
+        let bad = CoreError::GatherRange {
+            segment,
+            start,
+            len,
+            src_len: src.len(),
+        };
+        let (Ok(s), Ok(l)) = (usize::try_from(start), usize::try_from(len)) else {
+            return Err(bad);
+        };
+        let end = s.checked_add(l).ok_or(CoreError::IndexOverflow {
+            what: "gather range end",
+        })?;
+        let end_last = end.checked_add(last).ok_or(CoreError::IndexOverflow {
+            what: "gather range end",
+        })?;
+        if end_last > src.len() {
+            return Err(bad);
+        }
+        ranges.push((s, end));
+    }
+    let mut per_outer: usize = 0;
+    for (at, &index) in order.iter().enumerate() {
+        let k = checked_source(index, at, ranges.len())?;
+        let (s, e) = ranges.get(k).copied().unwrap_or((0, 0));
+        per_outer = per_outer
+            .checked_add(e - s)
+            .ok_or(CoreError::IndexOverflow {
+                what: "gathered output length",
+            })?;
+    }
+    let expected = per_outer
+        .checked_mul(outer)
+        .ok_or(CoreError::IndexOverflow {
+            what: "gathered output length",
+        })?;
+    if expected != out.len() {
+        return Err(CoreError::GatherSize {
+            expected,
+            actual: out.len(),
+        });
+    }
+    if expected == 0 {
+        return Ok(());
+    }
+    let mut blocks: Vec<&[u8]> = Vec::with_capacity(order.len().saturating_mul(outer));
+    let mut base: usize = 0;
+    for _ in 0..outer {
+        for (at, &index) in order.iter().enumerate() {
+            let k = checked_source(index, at, ranges.len())?;
+            let (s, e) = ranges.get(k).copied().unwrap_or((0, 0));
+            // in range: base <= last and end + last <= src.len() were checked above
+            let block = src.get(base + s..base + e).ok_or(CoreError::GatherRange {
+                segment: k,
+                start: starts.get(k).copied().unwrap_or(0),
+                len: lens.get(k).copied().unwrap_or(0),
+                src_len: src.len(),
+            })?;
+            blocks.push(block);
+        }
+        base = base.saturating_add(src_stride);
+    }
+    copy_blocks(out, &blocks)
+}
+
+/// Copy `blocks` back to back into `out` (whose length is their total), in parallel when large.
+fn copy_blocks(out: &mut [u8], blocks: &[&[u8]]) -> CoreResult<()> {
+    let total = out.len();
+    let mut pieces: Vec<(&mut [u8], &[u8])> = Vec::with_capacity(blocks.len());
+    let mut rest = out;
+    for &block in blocks {
+        if block.is_empty() {
+            continue;
+        }
+        if rest.len() < block.len() {
+            return Err(CoreError::GatherSize {
+                expected: total.saturating_add(block.len()),
+                actual: total,
+            });
+        }
+        let (dst, tail) = std::mem::take(&mut rest).split_at_mut(block.len());
+        rest = tail;
+        if block.len() > MAX_PIECE_BYTES {
+            pieces.extend(
+                dst.chunks_mut(MAX_PIECE_BYTES)
+                    .zip(block.chunks(MAX_PIECE_BYTES)),
+            );
+        } else {
+            pieces.push((dst, block));
+        }
+    }
+    if !rest.is_empty() {
+        return Err(CoreError::GatherSize {
+            expected: total - rest.len(),
+            actual: total,
+        });
+    }
+    if total < PARALLEL_MIN_BYTES || rayon::current_num_threads() < 2 {
         for (dst, src) in pieces {
             dst.copy_from_slice(src);
         }
     } else {
-        let average = expected / pieces.len().max(1);
+        let average = total / pieces.len().max(1);
         let min_len = (MIN_LEAF_BYTES / average.max(1)).max(1);
         pieces
             .into_par_iter()
@@ -246,6 +360,91 @@ mod tests {
                 outer: 0
             })
         );
+    }
+
+    #[test]
+    fn ranges_gather_with_outer_blocks() -> CoreResult<()> {
+        // two outer rows of a compacted buffer [a0 a0 b0 | a1 a1 b1] (stride 3)
+        let src = [1u8, 2, 3, 4, 5, 6];
+        let mut out = vec![0u8; 8];
+        gather_ranges_into(&mut out, &src, &[0, 2], &[2, 1], &[1, 0, 1], 2, 3)?;
+        assert_eq!(out, vec![3, 1, 2, 3, 6, 4, 5, 6]);
+        assert_eq!(
+            gather_ranges_into(&mut out, &src, &[0, 2], &[2, 2], &[0], 2, 3),
+            Err(CoreError::GatherRange {
+                segment: 1,
+                start: 2,
+                len: 2,
+                src_len: 6
+            })
+        );
+        assert_eq!(
+            gather_ranges_into(&mut out, &src, &[-1], &[1], &[0], 1, 0),
+            Err(CoreError::GatherRange {
+                segment: 0,
+                start: -1,
+                len: 1,
+                src_len: 6
+            })
+        );
+        assert_eq!(
+            gather_ranges_into(&mut out, &src, &[0], &[1, 1], &[0], 1, 0),
+            Err(CoreError::GatherSize {
+                expected: 1,
+                actual: 2
+            })
+        );
+        assert_eq!(
+            gather_ranges_into(&mut out, &src, &[0], &[1], &[3], 1, 0),
+            Err(CoreError::GatherIndex {
+                at: 0,
+                index: 3,
+                n_sources: 1
+            })
+        );
+        assert_eq!(
+            gather_ranges_into(&mut out, &src, &[0], &[1], &[0], 1, 0),
+            Err(CoreError::GatherSize {
+                expected: 1,
+                actual: 8
+            })
+        );
+        Ok(())
+    }
+
+    proptest::proptest! {
+        #[test]
+        fn ranges_equal_per_segment_gather(
+            lens in proptest::collection::vec(0usize..40, 1..6),
+            outer in 1usize..4,
+            picks in proptest::collection::vec(0usize..100, 0..20),
+        ) {
+            // compact the segments into one buffer: outer rows of [seg0 block | seg1 block | ...]
+            let owned: Vec<Vec<u8>> = lens
+                .iter()
+                .enumerate()
+                .map(|(k, &l)| (0..l * outer).map(|b| (b * 5 + k * 17) as u8).collect())
+                .collect();
+            let stride: usize = lens.iter().sum();
+            let mut compact = Vec::new();
+            for o in 0..outer {
+                for (k, &l) in lens.iter().enumerate() {
+                    compact.extend_from_slice(&owned[k][o * l..(o + 1) * l]);
+                }
+            }
+            let starts: Vec<i64> = lens
+                .iter()
+                .scan(0usize, |acc, &l| { let s = *acc; *acc += l; Some(s as i64) })
+                .collect();
+            let lens_i: Vec<i64> = lens.iter().map(|&l| l as i64).collect();
+            let sources: Vec<&[u8]> = owned.iter().map(Vec::as_slice).collect();
+            let order: Vec<i64> = picks.iter().map(|&p| (p % lens.len()) as i64).collect();
+            let expected = reference(&sources, &order, outer);
+            let mut out = vec![0u8; expected.len()];
+            let result = gather_ranges_into(&mut out, &compact, &starts, &lens_i, &order, outer, stride);
+            proptest::prop_assert!(result.is_ok());
+            proptest::prop_assert!(out == expected);
+        }
     }
 
     proptest::proptest! {

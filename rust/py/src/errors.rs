@@ -146,9 +146,9 @@ impl From<PyCoreError> for PyErr {
             CoreError::BatchOption { .. } => BatchOptionError::new_err(msg),
             // --- gather ---
             CoreError::GatherIndex { .. } => GatherIndexError::new_err(msg),
-            CoreError::GatherUneven { .. } | CoreError::GatherSize { .. } => {
-                GatherSizeError::new_err(msg)
-            }
+            CoreError::GatherUneven { .. }
+            | CoreError::GatherSize { .. }
+            | CoreError::GatherRange { .. } => GatherSizeError::new_err(msg),
         }
     }
 }

@@ -39,7 +39,44 @@ fn py_gather_into(
     Ok(())
 }
 
+/// Copy byte ranges of one source buffer into `out`: segment `k` is
+/// `src[o * src_stride + starts[k]:][:lens[k]]` in outer block `o`; the output is, for each
+/// `o` in turn, segment `order[j]` for every `j` (segments compacted into one buffer first).
+#[pyfunction]
+#[pyo3(
+    name = "gather_ranges_into",
+    signature = (out, src, starts, lens, order, outer = 1, src_stride = 0)
+)]
+#[allow(clippy::too_many_arguments)]
+fn py_gather_ranges_into(
+    py: Python<'_>,
+    out: &Bound<'_, PyArray1<u8>>,
+    src: &Bound<'_, PyArray1<u8>>,
+    starts: &Bound<'_, PyArray1<i64>>,
+    lens: &Bound<'_, PyArray1<i64>>,
+    order: &Bound<'_, PyArray1<i64>>,
+    outer: usize,
+    src_stride: usize,
+) -> PyResult<()> {
+    let starts = starts.try_readonly()?;
+    let lens = lens.try_readonly()?;
+    let order = order.try_readonly()?;
+    let src = src.try_readonly()?;
+    let (starts, lens, order, src) = (
+        starts.as_slice()?,
+        lens.as_slice()?,
+        order.as_slice()?,
+        src.as_slice()?,
+    );
+    let mut out = out.try_readwrite()?;
+    let out = out.as_slice_mut()?;
+    py.detach(|| gather::gather_ranges_into(out, src, starts, lens, order, outer, src_stride))
+        .map_err(PyCoreError)?;
+    Ok(())
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(py_gather_into, m)?)?;
+    m.add_function(wrap_pyfunction!(py_gather_ranges_into, m)?)?;
     Ok(())
 }

@@ -12,7 +12,7 @@ use numpy::{IntoPyArray, PyArray1, PyArrayMethods};
 use pyo3::exceptions::{PyAssertionError, PyTypeError};
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyDict, PyList, PyTuple};
+use pyo3::types::{PyBytes, PyList, PyTuple};
 
 use crate::errors::PyCoreError;
 
@@ -289,6 +289,15 @@ impl PyPackedLayout {
         PyList::new(py, counts)
     }
 
+    /// `[0 if t is None else 1 for t in tensors]` (segment counts of the legacy layout).
+    #[staticmethod]
+    fn presence<'py>(
+        py: Python<'py>,
+        tensors: &Bound<'py, PyList>,
+    ) -> PyResult<Bound<'py, PyList>> {
+        PyList::new(py, tensors.iter().map(|t| i64::from(!t.is_none())))
+    }
+
     /// Logical references per physical segment, as int64 (`n_physical` entries).
     fn reference_counts<'py>(
         &self,
@@ -319,17 +328,25 @@ impl PyPackedLayout {
             .map_err(PyCoreError)?)
     }
 
-    /// Select rows (negatives count from the end): `(layout, tensors)`, compacted.
+    /// Select rows (negatives count from the end): `(layout, tensors)`, compacted. `rows` is
+    /// an int64 array or a list of ints (`TypeError` for other items, `OverflowError` for
+    /// ints beyond int64).
     fn slice<'py>(
         &self,
         py: Python<'py>,
         tensors: &Bound<'py, PyList>,
-        rows: &Bound<'py, PyArray1<i64>>,
+        rows: &Bound<'py, PyAny>,
     ) -> PyResult<Bound<'py, PyTuple>> {
-        let rows = rows.try_readonly()?;
-        let rows = rows.as_slice()?;
         let inner = &self.inner;
-        let sel = py.detach(|| inner.slice(rows)).map_err(PyCoreError)?;
+        let sel = if let Ok(arr) = rows.cast::<PyArray1<i64>>() {
+            let arr = arr.try_readonly()?;
+            let rows = arr.as_slice()?;
+            py.detach(|| inner.slice(rows))
+        } else {
+            let rows: Vec<i64> = rows.cast::<PyList>()?.extract()?;
+            py.detach(|| inner.slice(&rows))
+        }
+        .map_err(PyCoreError)?;
         selection_out(py, tensors, sel)
     }
 
@@ -407,32 +424,13 @@ fn read_value<'py>(
     fallback: &mut Option<Bound<'py, PyAny>>,
 ) -> PyResult<(Input<'py>, Bound<'py, PyAny>, Bound<'py, PyAny>)> {
     let py = value.py();
-    let dict = value
-        .getattr(intern!(py, "__dict__"))
-        .ok()
-        .and_then(|d| d.cast_into::<PyDict>().ok());
-    let field = |name: &Bound<'py, pyo3::types::PyString>| -> PyResult<Option<Bound<'py, PyAny>>> {
-        match &dict {
-            Some(d) => d.get_item(name),
-            None => Ok(None),
-        }
-    };
-    let dim = match field(intern!(py, "dim_to_pack"))? {
-        Some(v) => v,
-        None => value.getattr(intern!(py, "dim_to_pack"))?,
-    };
-    let pad = match field(intern!(py, "pad_to_max_shape"))? {
-        Some(v) => v,
-        None => value.getattr(intern!(py, "pad_to_max_shape"))?,
-    };
-    let tensors = match field(intern!(py, "tensors"))? {
-        Some(v) => v,
-        None => value.getattr(intern!(py, "tensors"))?,
-    };
-    let layout = match field(intern!(py, "_layout"))? {
-        Some(v) => v,
-        None => {
-            // Not built by mmpack's constructor (raw `__dict__`, foreign class): ask Python.
+    let dim = value.getattr(intern!(py, "dim_to_pack"))?;
+    let pad = value.getattr(intern!(py, "pad_to_max_shape"))?;
+    let tensors = value.getattr(intern!(py, "tensors"))?;
+    let layout = match value.getattr(intern!(py, "_layout")) {
+        Ok(v) if v.is_none() || v.is_instance_of::<PyPackedLayout>() => v,
+        _ => {
+            // No handle yet (raw NeMo-RL `__dict__`, a foreign class): ask Python.
             let f = match fallback {
                 Some(f) => f.clone(),
                 None => {

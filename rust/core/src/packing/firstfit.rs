@@ -16,7 +16,9 @@ pub(crate) fn concatenative(p: &Problem<'_>) -> Bins {
     let mut count: usize = 0;
     for (i, &l) in p.lens.iter().enumerate() {
         let m = p.media.map_or(0, |md| md[i]);
-        let fits = load + l <= p.capacity && mload + m <= p.media_capacity && count < p.max_items;
+        let fits = load.saturating_add(l) <= p.capacity
+            && mload.saturating_add(m) <= p.media_capacity
+            && count < p.max_items;
         if !fits && count > 0 {
             offsets.push(i);
             load = 0;
@@ -119,16 +121,28 @@ impl MaxTree {
     fn set(&mut self, bin: usize, tok: i64, med: i64) {
         let mut k = self.size + bin;
         self.tok[k] = tok;
-        let with_media = !self.med.is_empty();
-        if with_media {
-            self.med[k] = med;
+        if self.med.is_empty() {
+            // Stop as soon as a node's maximum is unchanged: its ancestors are too.
+            while k > 1 {
+                k /= 2;
+                let m = self.tok[2 * k].max(self.tok[2 * k + 1]);
+                if self.tok[k] == m {
+                    break;
+                }
+                self.tok[k] = m;
+            }
+            return;
         }
+        self.med[k] = med;
         while k > 1 {
             k /= 2;
-            self.tok[k] = self.tok[2 * k].max(self.tok[2 * k + 1]);
-            if with_media {
-                self.med[k] = self.med[2 * k].max(self.med[2 * k + 1]);
+            let t = self.tok[2 * k].max(self.tok[2 * k + 1]);
+            let m = self.med[2 * k].max(self.med[2 * k + 1]);
+            if self.tok[k] == t && self.med[k] == m {
+                break;
             }
+            self.tok[k] = t;
+            self.med[k] = m;
         }
     }
 

@@ -1,12 +1,14 @@
 //! Minimum bin slack (Gupta & Ho; Fleszar & Hindi's MBS'), bounded: bins are built one at
 //! a time; each takes the largest remaining item, then a depth-first search over the
 //! remaining sizes (largest first, sizes non-increasing along a path) looks for the subset
-//! that leaves the least slack, stopping at zero slack or after `budget` search nodes.
+//! that leaves the least slack, stopping at zero slack or after `budget` search nodes. A node
+//! with room for one more item only takes the largest that fits (no branching).
 //!
 //! Cost: `O(n log n)` to group sizes, plus at most `budget` nodes per bin, each an
-//! `O(log_64 D)` bitset query (D distinct sizes): `O(n log n + bins * budget * log D)`.
-//! `pack` runs best-fit decreasing as well and keeps whichever result has fewer bins, so
-//! this is never worse than best fit.
+//! `O(log_64 D)` bitset query and an `O(log D)` search (D distinct sizes):
+//! `O(n log n + bins * budget * log D)`. `pack` also tries the search's near-perfect prefix
+//! followed by best-fit decreasing on the rest ([`with_tail`]) and plain best-fit decreasing,
+//! and keeps the fewest bins, so the result is never worse than best fit.
 
 use super::bitset::Bitset;
 use super::{Bins, Problem};
@@ -51,6 +53,19 @@ impl Search<'_> {
             return;
         }
         let mut next = self.candidate(max_rank, rem);
+        // Room for one more item at most: the largest that fits is the best leaf.
+        let smallest = self.bits.successor(0).map_or(i64::MAX, |r| self.sizes[r]);
+        if rem < smallest.saturating_mul(2) || depth_left == 1 {
+            if let Some(r) = next {
+                let left = rem - self.sizes[r];
+                if left < self.best_rem {
+                    self.best_rem = left;
+                    self.best.clone_from(&self.chosen);
+                    self.best.push(r);
+                }
+            }
+            return;
+        }
         while let Some(r) = next {
             if self.budget == 0 || self.best_rem == 0 {
                 return;
@@ -66,7 +81,8 @@ impl Search<'_> {
     }
 }
 
-pub(crate) fn minimum_bin_slack(p: &Problem<'_>, budget: usize) -> Bins {
+/// Minimum-bin-slack bins and the slack each bin was left with.
+pub(crate) fn minimum_bin_slack(p: &Problem<'_>, budget: usize) -> (Bins, Vec<i64>) {
     let n = p.lens.len();
     // Distinct sizes ascending; items grouped by size rank, ascending index within a group.
     let mut sizes: Vec<i64> = p.lens.to_vec();
@@ -108,6 +124,7 @@ pub(crate) fn minimum_bin_slack(p: &Problem<'_>, budget: usize) -> Bins {
         best_rem: 0,
     };
     let mut offsets = Vec::with_capacity(n / 2 + 2);
+    let mut slacks = Vec::with_capacity(n / 2 + 1);
     let mut items = Vec::with_capacity(n);
     offsets.push(0usize);
     let mut take_item = |r: usize, items: &mut Vec<u32>| {
@@ -129,11 +146,54 @@ pub(crate) fn minimum_bin_slack(p: &Problem<'_>, budget: usize) -> Bins {
             take_item(r, &mut items);
         }
         s.best = best;
+        slacks.push(s.best_rem);
         offsets.push(items.len());
     }
-    Bins {
+    (
+        Bins {
+            offsets,
+            items,
+            loads: None,
+        },
+        slacks,
+    )
+}
+
+/// Keeps the minimum-bin-slack bins up to the first one left with more than `tolerance`
+/// slack and packs the items of the rest with `tail` (best-fit decreasing): the search is
+/// good at perfect bins and weak at the end, where best fit does better.
+pub(crate) fn with_tail(
+    p: &Problem<'_>,
+    mbs: &Bins,
+    slacks: &[i64],
+    tolerance: i64,
+    tail: impl Fn(&Problem<'_>) -> Bins,
+) -> Option<Bins> {
+    let k = slacks.iter().position(|&s| s > tolerance)?;
+    let cut = mbs.offsets[k];
+    let rest: Vec<u32> = mbs.items[cut..].to_vec();
+    let lens: Vec<i64> = rest.iter().map(|&i| p.lens[i as usize]).collect();
+    let sub = Problem {
+        lens: &lens,
+        media: None,
+        capacity: p.capacity,
+        media_capacity: p.media_capacity,
+        max_items: p.max_items,
+    };
+    let tail_bins = tail(&sub);
+    let mut offsets = mbs.offsets[..=k].to_vec();
+    let mut items = mbs.items[..cut].to_vec();
+    for w in tail_bins.offsets.windows(2) {
+        items.extend(
+            tail_bins.items[w[0]..w[1]]
+                .iter()
+                .map(|&j| rest[j as usize]),
+        );
+        offsets.push(items.len());
+    }
+    Some(Bins {
         offsets,
         items,
         loads: None,
-    }
+    })
 }

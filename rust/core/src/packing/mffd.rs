@@ -7,7 +7,8 @@
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 
-use super::Bins;
+use super::bitset::Bitset;
+use super::{capacity_indexable, Bins};
 
 /// "Next alive position at or after `i`" (or before, for `Backward`) with path halving.
 struct Alive {
@@ -60,29 +61,61 @@ impl AliveBack {
     }
 }
 
+/// Items by `(size, index)` ascending: counting sort when the capacity allows it.
+fn ascending(lens: &[i64], capacity: i64) -> Vec<u32> {
+    let n = lens.len();
+    if capacity_indexable(capacity, n) {
+        let c = capacity as usize;
+        let mut start = vec![0usize; c + 2];
+        for &l in lens {
+            start[l as usize + 1] += 1;
+        }
+        for k in 1..start.len() {
+            start[k] += start[k - 1];
+        }
+        let mut out = vec![0u32; n];
+        for (i, &l) in lens.iter().enumerate() {
+            let slot = &mut start[l as usize];
+            out[*slot] = i as u32;
+            *slot += 1;
+        }
+        out
+    } else {
+        let mut out: Vec<u32> = (0..n as u32).collect();
+        out.sort_unstable_by_key(|&i| (lens[i as usize], i));
+        out
+    }
+}
+
+/// An ascending `(size, index)` run re-ordered by size descending, ties by index ascending
+/// (what a stable descending sort of input-ordered items gives).
+fn descending_stable(asc: &[u32], lens: &[i64]) -> Vec<u32> {
+    let mut out = Vec::with_capacity(asc.len());
+    let mut end = asc.len();
+    while end > 0 {
+        let s = lens[asc[end - 1] as usize];
+        let mut start = end - 1;
+        while start > 0 && lens[asc[start - 1] as usize] == s {
+            start -= 1;
+        }
+        out.extend_from_slice(&asc[start..end]);
+        end = start;
+    }
+    out
+}
+
 pub(crate) fn mffd(lens: &[i64], capacity: i64) -> Bins {
     let c = i128::from(capacity);
     let size = |i: u32| lens[i as usize];
-    let (mut large, mut medium, mut small, mut tiny) =
-        (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-    for (i, &s) in lens.iter().enumerate() {
-        let s128 = i128::from(s);
-        let i = i as u32;
-        if 2 * s128 > c {
-            large.push(i);
-        } else if 3 * s128 > c {
-            medium.push(i);
-        } else if 6 * s128 > c {
-            small.push(i);
-        } else {
-            tiny.push(i);
-        }
-    }
-    // Stable sorts: ties keep input order.
-    large.sort_by_key(|&i| Reverse(size(i)));
-    medium.sort_by_key(|&i| Reverse(size(i)));
-    small.sort_by_key(|&i| size(i));
-    tiny.sort_by_key(|&i| size(i));
+    let asc = ascending(lens, capacity);
+    // Class boundaries in the ascending order: tiny | small | medium | large.
+    let small_at = asc.partition_point(|&i| 6 * i128::from(size(i)) <= c);
+    let medium_at = asc.partition_point(|&i| 3 * i128::from(size(i)) <= c);
+    let large_at = asc.partition_point(|&i| 2 * i128::from(size(i)) <= c);
+    let large = descending_stable(&asc[large_at..], lens);
+    let medium = descending_stable(&asc[medium_at..large_at], lens);
+    let small: Vec<u32> = asc[small_at..medium_at].to_vec();
+    let medium_sizes: Vec<i64> = medium.iter().map(|&i| size(i)).collect();
 
     let nl = large.len();
     let mut sums: Vec<i64> = large.iter().map(|&i| size(i)).collect();
@@ -98,7 +131,7 @@ pub(crate) fn mffd(lens: &[i64], capacity: i64) -> Bins {
     let mut med_alive = Alive::new(medium.len());
     for b in 0..nl {
         let rem = capacity - sums[b];
-        let p = medium.partition_point(|&i| size(i) > rem);
+        let p = medium_sizes.partition_point(|&x| x > rem);
         let q = med_alive.find(p);
         if let Some(&it) = medium.get(q) {
             med_alive.kill_forward(q);
@@ -145,19 +178,31 @@ pub(crate) fn mffd(lens: &[i64], capacity: i64) -> Bins {
 
     // Phase 4: remaining medium + small + tiny, by size descending (ties: input order);
     // each phase-1 bin repeatedly takes the first (largest) item that fits.
-    let mut rest: Vec<u32> = medium
-        .iter()
-        .chain(small.iter())
-        .chain(tiny.iter())
-        .copied()
+    let rest: Vec<u32> = descending_stable(&asc[..large_at], lens)
+        .into_iter()
         .filter(|&i| !dead[i as usize])
         .collect();
-    rest.sort_by_key(|&i| (Reverse(size(i)), i));
+    let rest_sizes: Vec<i64> = rest.iter().map(|&i| size(i)).collect();
+    // first_le[v]: first position in `rest` whose size is <= v (sizes descending).
+    let first_le: Option<Vec<u32>> = capacity_indexable(capacity, lens.len()).then(|| {
+        let mut table = Vec::with_capacity(capacity as usize + 1);
+        let mut p = rest_sizes.len();
+        for v in 0..=capacity {
+            while p > 0 && rest_sizes[p - 1] <= v {
+                p -= 1;
+            }
+            table.push(p as u32);
+        }
+        table
+    });
     let mut r_alive = Alive::new(rest.len());
     for (b, sum) in sums.iter_mut().enumerate() {
         loop {
             let rem = capacity - *sum;
-            let p = rest.partition_point(|&i| size(i) > rem);
+            let p = match &first_le {
+                Some(t) => t[rem as usize] as usize,
+                None => rest_sizes.partition_point(|&x| x > rem),
+            };
             let q = r_alive.find(p);
             let Some(&it) = rest.get(q) else { break };
             r_alive.kill_forward(q);
@@ -168,11 +213,10 @@ pub(crate) fn mffd(lens: &[i64], capacity: i64) -> Bins {
     }
 
     // Phase 5: leftovers (same order) into the least-filled bin if it fits, else a new bin;
-    // bins kept sorted by (fill, insertion counter), starting from one empty bin.
-    let mut heap: BinaryHeap<Reverse<(i64, u64, u32)>> = BinaryHeap::new();
-    let mut counter: u64 = 0;
+    // bins kept sorted by (fill, insertion order), starting from one empty bin.
+    let mut queue = FillQueue::new(capacity, lens.len(), nl as u32);
     let mut next_bin = nl as u32;
-    heap.push(Reverse((0, counter, next_bin)));
+    queue.push(0, next_bin);
     next_bin += 1;
     let mut used: Vec<bool> = vec![false];
     for &it in &rest {
@@ -180,9 +224,9 @@ pub(crate) fn mffd(lens: &[i64], capacity: i64) -> Bins {
             continue;
         }
         let s = size(it);
-        let (fill, bin) = match heap.peek() {
-            Some(&Reverse((fill, _, bin))) if s <= capacity - fill => {
-                heap.pop();
+        let (fill, bin) = match queue.peek() {
+            Some((fill, bin)) if s <= capacity - fill => {
+                queue.pop();
                 (fill, bin)
             }
             _ => {
@@ -193,24 +237,153 @@ pub(crate) fn mffd(lens: &[i64], capacity: i64) -> Bins {
             }
         };
         used[(bin as usize) - nl] = true;
-        counter += 1;
-        heap.push(Reverse((fill + s, counter, bin)));
+        queue.push(fill + s, bin);
         log.push((bin, it));
     }
-    // Output order: phase-1 bins, then phase-5 bins by (fill, counter), empty ones dropped.
-    let mut tail: Vec<(i64, u64, u32)> = heap.into_iter().map(|Reverse(k)| k).collect();
-    tail.sort_unstable();
+    // Output order: phase-1 bins, then phase-5 bins by (fill, insertion), empty ones dropped.
     let total = next_bin as usize;
     let mut rank = vec![0u32; total];
     for (b, r) in rank.iter_mut().enumerate().take(nl) {
         *r = b as u32;
     }
     let mut k = nl as u32;
-    for &(_, _, bin) in &tail {
+    for bin in queue.into_sorted() {
         if used[(bin as usize) - nl] {
             rank[bin as usize] = k;
             k += 1;
         }
     }
     Bins::from_log(k as usize, &log, Some(&rank))
+}
+
+const NONE: u32 = u32::MAX;
+
+/// Bins ordered by `(fill, insertion order)`, popping the least filled: NeMo-RL's sorted list
+/// with `pop(0)` and `bisect_right` insertion. A bucket queue (one FIFO list per fill value and
+/// a bitset over non-empty fills) when the capacity is indexable, else a binary heap.
+enum FillQueue {
+    Buckets {
+        head: Vec<u32>,
+        tail: Vec<u32>,
+        next: Vec<u32>,
+        bits: Bitset,
+        base: u32,
+    },
+    Heap {
+        heap: BinaryHeap<Reverse<(i64, u64, u32)>>,
+        counter: u64,
+    },
+}
+
+impl FillQueue {
+    fn new(capacity: i64, n: usize, base: u32) -> Self {
+        if capacity_indexable(capacity, n) {
+            let c = capacity as usize;
+            Self::Buckets {
+                head: vec![NONE; c + 1],
+                tail: vec![NONE; c + 1],
+                next: Vec::new(),
+                bits: Bitset::new(c + 1),
+                base,
+            }
+        } else {
+            Self::Heap {
+                heap: BinaryHeap::new(),
+                counter: 0,
+            }
+        }
+    }
+
+    fn push(&mut self, fill: i64, bin: u32) {
+        match self {
+            Self::Buckets {
+                head,
+                tail,
+                next,
+                bits,
+                base,
+            } => {
+                let f = fill as usize;
+                let k = (bin - *base) as usize;
+                if next.len() <= k {
+                    next.resize(k + 1, NONE);
+                }
+                next[k] = NONE;
+                if head[f] == NONE {
+                    head[f] = bin;
+                    bits.insert(f);
+                } else {
+                    next[(tail[f] - *base) as usize] = bin;
+                }
+                tail[f] = bin;
+            }
+            Self::Heap { heap, counter } => {
+                *counter += 1;
+                heap.push(Reverse((fill, *counter, bin)));
+            }
+        }
+    }
+
+    fn peek(&self) -> Option<(i64, u32)> {
+        match self {
+            Self::Buckets { head, bits, .. } => {
+                let f = bits.successor(0)?;
+                Some((f as i64, head[f]))
+            }
+            Self::Heap { heap, .. } => heap.peek().map(|&Reverse((f, _, b))| (f, b)),
+        }
+    }
+
+    fn pop(&mut self) {
+        match self {
+            Self::Buckets {
+                head,
+                next,
+                bits,
+                base,
+                ..
+            } => {
+                if let Some(f) = bits.successor(0) {
+                    let b = head[f];
+                    head[f] = next[(b - *base) as usize];
+                    if head[f] == NONE {
+                        bits.remove(f);
+                    }
+                }
+            }
+            Self::Heap { heap, .. } => {
+                heap.pop();
+            }
+        }
+    }
+
+    /// Bins in `(fill, insertion order)` order.
+    fn into_sorted(self) -> Vec<u32> {
+        match self {
+            Self::Buckets {
+                head,
+                next,
+                bits,
+                base,
+                ..
+            } => {
+                let mut out = Vec::new();
+                let mut f = bits.successor(0);
+                while let Some(fill) = f {
+                    let mut b = head[fill];
+                    while b != NONE {
+                        out.push(b);
+                        b = next[(b - base) as usize];
+                    }
+                    f = bits.successor(fill + 1);
+                }
+                out
+            }
+            Self::Heap { heap, .. } => {
+                let mut keys: Vec<(i64, u64, u32)> = heap.into_iter().map(|Reverse(k)| k).collect();
+                keys.sort_unstable();
+                keys.into_iter().map(|k| k.2).collect()
+            }
+        }
+    }
 }

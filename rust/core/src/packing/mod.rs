@@ -236,7 +236,7 @@ fn arg_err(name: &'static str, detail: String) -> CoreError {
 /// Capacities above this use comparison sorts and ordered maps instead of arrays indexed
 /// by capacity.
 pub(crate) fn capacity_indexable(capacity: i64, n: usize) -> bool {
-    usize::try_from(capacity).is_ok_and(|c| c <= n.saturating_mul(4).saturating_add(1 << 20))
+    usize::try_from(capacity).is_ok_and(|c| c <= n.saturating_mul(4).saturating_add(1 << 16))
 }
 
 /// Packs `lengths` (and `media`, a second budget) into bins.
@@ -447,13 +447,26 @@ pub fn pack(lengths: &[i64], media: Option<&[i64]>, opts: &PackOptions<'_>) -> C
         Algorithm::ModifiedFirstFitDecreasing => mffd::mffd(lens, capacity),
         Algorithm::BestFitDecreasing => bestfit::best_fit_decreasing(&problem),
         Algorithm::MinimumBinSlack => {
-            let bfd = bestfit::best_fit_decreasing(&problem);
-            let mbs = mbs::minimum_bin_slack(&problem, opts.search_budget);
-            if mbs.num_bins() < bfd.num_bins() {
-                mbs
-            } else {
-                bfd
+            // Candidates: best fit, the full search, and the search's near-perfect prefix
+            // followed by best fit on the rest; the fewest bins wins (ties: earlier).
+            let mut best = bestfit::best_fit_decreasing(&problem);
+            let (full, slacks) = mbs::minimum_bin_slack(&problem, opts.search_budget);
+            for tolerance in [0, capacity / 512, capacity / 128, capacity / 32] {
+                let cand = mbs::with_tail(
+                    &problem,
+                    &full,
+                    &slacks,
+                    tolerance,
+                    bestfit::best_fit_decreasing,
+                );
+                if let Some(c) = cand.filter(|c| c.num_bins() < best.num_bins()) {
+                    best = c;
+                }
             }
+            if full.num_bins() < best.num_bins() {
+                best = full;
+            }
+            best
         }
     };
     let bins = adjust::adjust_bins(bins, opts.min_bins, opts.bins_multiple_of)?;
