@@ -28,13 +28,7 @@ from typing import Any
 import torch
 from mmpack import payload
 from mmpack._reference.packed_tensor import PackedTensor as RefPT
-
-try:
-    from mmpack.packed import PackedTensor
-except ImportError:  # only while packed.py is being written: time the module directly
-    PackedTensor = None  # type: ignore[assignment,misc]
-
-from mmpack import _materialize
+from mmpack.packed import PackedTensor
 
 G = 16
 
@@ -78,8 +72,6 @@ def _workload(prompts: int, patches: int) -> tuple[Any, RefPT]:
         _segment_indices=exp_indices,
         _segment_provenance=[bytes(16) for _ in images],
     )
-    if PackedTensor is None:
-        return ref, ref
     base = PackedTensor(
         list(images),
         0,
@@ -95,14 +87,12 @@ def _workload_small(prompts: int) -> tuple[Any, RefPT]:
     indices = [p for p in range(prompts) for _ in range(G)]
     offsets = list(range(len(indices) + 1))
     ref = RefPT(list(grids), 0, _row_offsets=offsets, _segment_indices=indices)
-    if PackedTensor is None:
-        return ref, ref
     base = PackedTensor(list(grids), 0).enable_deduplication()
     return base.repeat_interleave(G), ref
 
 
-def _mm_as_tensor(value: Any, out: torch.Tensor | None = None) -> torch.Tensor | None:
-    return _materialize.as_tensor(value.tensors, value.csr()[1], value.dim_to_pack, False, out=out)
+def _mm_as_tensor(value: PackedTensor, out: torch.Tensor | None = None) -> torch.Tensor | None:
+    return value.as_tensor(out=out)
 
 
 def _payloads(prompts: int, patches: int) -> list[tuple[str, Any]]:
@@ -132,7 +122,24 @@ def _payloads(prompts: int, patches: int) -> list[tuple[str, Any]]:
         for key, v in (("pixel_values", pixels), ("image_grid_thw", grid))
     }
     media = {"pixel_values": pixels, "image_grid_thw": grid, "input_ids": common["input_ids"]}
+
+    def as_reference(value: PackedTensor) -> RefPT:
+        offsets, indices = value.csr()
+        return RefPT(
+            list(value.tensors),
+            value.dim_to_pack,
+            _row_offsets=offsets.tolist(),
+            _segment_indices=indices.tolist(),
+            _segment_provenance=value._segment_provenance,
+        )
+
+    media_ref = {
+        "pixel_values": as_reference(pixels),
+        "image_grid_thw": as_reference(grid),
+        "input_ids": common["input_ids"],
+    }
     return [
+        (f"media batch, {n} rows, dedup, NeMo-RL-style class", media_ref),
         (f"media batch, {n} rows, dedup", media),
         (f"media batch, {n} rows, legacy twin", {**legacy, "input_ids": common["input_ids"]}),
         (f"rollout batch + message logs, {n} rows, dedup", dedup),

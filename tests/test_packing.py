@@ -481,3 +481,14 @@ def test_huge_capacity_and_lengths_do_not_overflow(algorithm: str) -> None:
     check_invariants(p, lengths, capacity)
     with pytest.raises(errors.IndexOverflowError, match="bin loads"):
         pack([2**62] * 3, 2**62, algorithm=algorithm)  # the total overflows int64
+
+
+def test_csr_to_lists_rejects_bad_offsets() -> None:
+    from mmpack import _native
+
+    items = np.arange(3, dtype=np.int64)
+    assert _native.csr_to_lists(np.array([0, 2, 3]), items) == [[0, 1], [2]]
+    with pytest.raises(errors.PackingArgumentError, match=r"bad bin range 2\.\.1"):
+        _native.csr_to_lists(np.array([0, 2, 1]), items)
+    with pytest.raises(errors.PackingArgumentError, match=r"bad bin range 0\.\.9"):
+        _native.csr_to_lists(np.array([0, 9]), items)

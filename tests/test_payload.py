@@ -14,14 +14,10 @@ import pytest
 import torch
 from mmpack import payload
 from mmpack._reference.packed_tensor import PackedTensor as RefPT
+from mmpack.packed import PackedTensor as NativePT
 
-PT_CLASSES = [RefPT]
-try:  # mmpack's own class, once it exists in this tree
-    from mmpack.packed import PackedTensor as NativePT
-
-    PT_CLASSES.append(NativePT)
-except ImportError:  # pragma: no cover - only while packed.py is being written
-    pass
+# mmpack's class and the plain reference (which has NeMo-RL's attributes): measure duck-types
+PT_CLASSES: list[Any] = [NativePT, RefPT]
 
 
 @pytest.fixture(params=PT_CLASSES, ids=lambda c: c.__module__)

@@ -106,6 +106,10 @@ def shuffle_permutation(
     numpy.ndarray[Any, numpy.dtype[numpy.uint32]],
     int,
 ]: ...
+def csr_to_lists(
+    offsets: numpy.ndarray[Any, numpy.dtype[numpy.int64]],
+    items: numpy.ndarray[Any, numpy.dtype[numpy.int64]],
+) -> list[list[int]]: ...
 def assign_to_ranks(
     bin_offsets: numpy.ndarray[Any, numpy.dtype[numpy.int64]],
     item_indices: numpy.ndarray[Any, numpy.dtype[numpy.int64]],

@@ -111,8 +111,13 @@ class PackedBatch:
 
     def _move_media(self, device: torch.device | str, non_blocking: bool) -> None:
         """The one place media crosses to a device (PackedTensor's own device path)."""
+        from mmpack.packed import PackedTensor as Packed
+
         for value in self.media.values():
-            value.to(device)
+            if isinstance(value, Packed):  # unique segments cross once (mmpack._materialize)
+                value.to(device, non_blocking=non_blocking)
+            else:
+                value.to(device)
 
     def packed_seq_params(self) -> Any:
         """Megatron-Core's ``PackedSeqParams`` for this pack (``qkv_format="thd"``).

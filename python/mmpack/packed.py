@@ -431,21 +431,42 @@ class PackedTensor:
             items = _pad_to_max(items, self.dim_to_pack)
         return torch.cat(items, dim=self.dim_to_pack).to(device)
 
-    def as_tensor(self, device: torch.device | str | None = None) -> torch.Tensor | None:
+    def as_tensor(
+        self,
+        device: torch.device | str | None = None,
+        *,
+        out: torch.Tensor | None = None,
+        pin_memory: bool = False,
+    ) -> torch.Tensor | None:
         """Concatenate the logical segments; with ``device``, first move every physical segment
-        there **in place** (NeMo-RL's behaviour)."""
-        if device is not None:
-            tensors = self.tensors
-            for i, item in enumerate(tensors):
-                if item is not None:
-                    tensors[i] = item.to(device)
-        return self._materialize(device)
+        there **in place** (NeMo-RL's behaviour; to CUDA each unique segment crosses once,
+        through pinned staging, and rows are expanded on the device). On the CPU the segments
+        are gathered natively into one buffer: ``out`` (a contiguous tensor of the result's
+        exact shape, dtype and device, returned as the result) or a new one, page-locked with
+        ``pin_memory=True`` (needs CUDA). See ``mmpack._materialize``."""
+        from mmpack import _materialize as materialize
 
-    def to(self, device: torch.device | str) -> PackedTensor:
-        """Move the physical segments (a new list), keeping provenance; returns ``self``."""
-        self.__dict__["tensors"] = [
-            item.to(device) if item is not None else None for item in self.tensors
-        ]
+        lay = self._lay()
+        indices = lay.indices() if lay is not None and lay.is_csr else None
+        return materialize.as_tensor(
+            self.tensors,
+            indices,
+            self.dim_to_pack,
+            self.pad_to_max_shape,
+            device,
+            out=out,
+            pin_memory=pin_memory,
+        )
+
+    def to(self, device: torch.device | str, *, non_blocking: bool = True) -> PackedTensor:
+        """Move the physical segments (a new list), keeping provenance; returns ``self``. Each
+        unique segment moves once (to CUDA through one pinned staging buffer per dtype;
+        ``non_blocking`` applies only towards CUDA). See ``mmpack._materialize.move_segments``."""
+        from mmpack import _materialize as materialize
+
+        self.__dict__["tensors"] = materialize.move_segments(
+            self.tensors, device, non_blocking=non_blocking
+        )
         return self
 
     def to_dtype(self, dtype: torch.dtype) -> PackedTensor:

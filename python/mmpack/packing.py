@@ -202,9 +202,7 @@ class Packing:
     def bins(self) -> list[list[int]]:
         """The bins as a list of lists of item indices (builds Python objects: slow for
         millions of items; prefer the flat arrays)."""
-        items = self.item_indices.tolist()
-        offsets = self.bin_offsets.tolist()
-        return [items[a:b] for a, b in itertools.pairwise(offsets)]
+        return _native.csr_to_lists(self.bin_offsets, self.item_indices)
 
     def __repr__(self) -> str:
         return (

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import operator
 import pickle
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -94,33 +95,63 @@ class _Acc:
 
     def packed(self, value: Any) -> None:
         tensors = value.tensors
-        n = len(tensors)
-        sizes = np.zeros(n, dtype=np.int64)
-        present = np.zeros(n, dtype=bool)
-        for i, t in enumerate(tensors):
-            if isinstance(t, torch.Tensor):
-                nb = _nbytes(t)
-            elif isinstance(t, np.ndarray):
-                nb = int(t.nbytes)
+        seen = self.seen
+        types = set(map(type, tensors))
+        none_mask: np.ndarray | None = None
+        if types <= _PLAIN_SEGMENT_TYPES:
+            # the common case, in C-level loops: plain tensors and Nones
+            if _NONE_TYPE in types:
+                sizes = [0 if t is None else t.nbytes for t in tensors]
+                none_mask = np.fromiter(
+                    (t is None for t in tensors), dtype=bool, count=len(tensors)
+                )
+                by_id = dict(zip(map(id, tensors), sizes, strict=True))
+                by_id.pop(id(None), None)
             else:
-                continue
-            sizes[i] = nb
-            present[i] = True
-            key = id(t)
-            if key not in self.seen:
-                self.seen.add(key)
-                self.physical_bytes += nb
-                self.physical_segments += 1
-        order = _segment_order(value, n)
-        if order is None:
-            self.logical_bytes += int(sizes.sum())
-            self.logical_segments += int(present.sum())
+                sizes = list(map(_NBYTES, tensors))
+                by_id = dict(zip(map(id, tensors), sizes, strict=True))
+            fresh = by_id.keys() - seen
+            if fresh:
+                seen.update(fresh)
+                self.physical_bytes += sum(map(by_id.__getitem__, fresh))
+                self.physical_segments += len(fresh)
         else:
-            self.logical_bytes += int(sizes[order].sum())
-            self.logical_segments += int(np.count_nonzero(present[order]))
+            sizes = []
+            absent = []
+            for t in tensors:
+                if isinstance(t, torch.Tensor):
+                    nb = t.nbytes
+                elif isinstance(t, np.ndarray):
+                    nb = int(t.nbytes)
+                else:  # None or a non-array entry: no segment
+                    sizes.append(0)
+                    absent.append(True)
+                    continue
+                sizes.append(nb)
+                absent.append(False)
+                key = id(t)
+                if key not in seen:
+                    seen.add(key)
+                    self.physical_bytes += nb
+                    self.physical_segments += 1
+            none_mask = np.array(absent, dtype=bool)
+        order = _segment_order(value)
+        if order is None:
+            self.logical_bytes += sum(sizes)
+            n_absent = 0 if none_mask is None else int(np.count_nonzero(none_mask))
+            self.logical_segments += len(sizes) - n_absent
+            return
+        self.logical_bytes += int(np.array(sizes, dtype=np.int64).take(order).sum())
+        n_absent = 0 if none_mask is None else int(np.count_nonzero(none_mask.take(order)))
+        self.logical_segments += order.size - n_absent
 
 
-def _segment_order(value: Any, n: int) -> np.ndarray | None:
+_NONE_TYPE = type(None)
+_PLAIN_SEGMENT_TYPES = frozenset((torch.Tensor, _NONE_TYPE))
+_NBYTES = operator.attrgetter("nbytes")
+
+
+def _segment_order(value: Any) -> np.ndarray | None:
     """The physical index of every logical segment, or ``None`` for the legacy layout."""
     csr = getattr(value, "csr", None)
     if callable(csr):

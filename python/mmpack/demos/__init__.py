@@ -24,7 +24,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"which pipeline to run (default: {DEFAULT_PIPELINE})",
     )
     parser.add_argument(
-        "options", nargs=argparse.REMAINDER, help="options for the pipeline (see `demo PIPELINE -h`)"
+        "options",
+        nargs=argparse.REMAINDER,
+        help="options for the pipeline (see `demo PIPELINE -h`)",
     )
 
 

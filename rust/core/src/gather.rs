@@ -10,6 +10,9 @@
 //! Packing along a non-leading dimension (`dim_to_pack > 0`) is the same gather repeated per
 //! index of the leading dimensions: every source holds `outer` equal blocks, and the output is,
 //! for each outer index `o` in order, block `o` of every source in `order`.
+//!
+//! [`gather_ranges_into`] is the same gather over byte ranges of one source buffer, for many
+//! small segments that the caller first compacted into one buffer (one view instead of many).
 use crate::error::{CoreError, CoreResult};
 use rayon::prelude::*;
 

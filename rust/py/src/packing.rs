@@ -1,9 +1,10 @@
 //! Bindings for `mmpack_core::packing`: numpy `int64` arrays in (zero-copy, checked
 //! borrows), flat numpy arrays out (moved, not copied), the work done with the GIL released.
 use mmpack_core::packing::{self, Algorithm, OnOversize, PackOptions, RankCost};
+use mmpack_core::CoreError;
 use numpy::{IntoPyArray, PyArray1, PyArrayMethods};
 use pyo3::prelude::*;
-use pyo3::types::PyTuple;
+use pyo3::types::{PyList, PyTuple};
 
 use crate::errors::PyCoreError;
 
@@ -129,7 +130,40 @@ fn py_assign_to_ranks<'py>(
     )
 }
 
+/// CSR bins as a list of lists of ints (what NeMo-RL's packers return), built in one call.
+#[pyfunction]
+#[pyo3(name = "csr_to_lists", signature = (offsets, items))]
+fn py_csr_to_lists<'py>(
+    py: Python<'py>,
+    offsets: &Bound<'py, PyArray1<i64>>,
+    items: &Bound<'py, PyArray1<i64>>,
+) -> PyResult<Bound<'py, PyList>> {
+    let offsets = offsets.try_readonly()?;
+    let offsets = offsets.as_slice()?;
+    let items = items.try_readonly()?;
+    let items = items.as_slice()?;
+    // One list of every item, then each bin is a C-level slice of it.
+    let all = PyList::new(py, items)?;
+    let mut bins = Vec::with_capacity(offsets.len().saturating_sub(1));
+    for w in offsets.windows(2) {
+        let range = match (usize::try_from(w[0]), usize::try_from(w[1])) {
+            (Ok(a), Ok(b)) if a <= b && b <= items.len() => Some((a, b)),
+            _ => None,
+        };
+        let Some((a, b)) = range else {
+            return Err(PyCoreError(CoreError::PackingArgument {
+                name: "bin_offsets",
+                detail: format!("bad bin range {}..{} for {} items", w[0], w[1], items.len()),
+            })
+            .into());
+        };
+        bins.push(all.get_slice(a, b));
+    }
+    PyList::new(py, bins)
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(py_csr_to_lists, m)?)?;
     m.add_function(wrap_pyfunction!(py_pack, m)?)?;
     m.add_function(wrap_pyfunction!(py_shuffle_permutation, m)?)?;
     m.add_function(wrap_pyfunction!(py_assign_to_ranks, m)?)?;

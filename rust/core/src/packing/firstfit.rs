@@ -1,7 +1,9 @@
 //! Next fit (`concatenative`) and first fit in a given order, with a segment tree over
 //! bins (creation order) holding the largest remaining capacity, so each placement is
 //! `O(log bins)` instead of NeMo-RL's linear scan. The bins and their order are exactly
-//! those of the linear scan: the query returns the leftmost bin that fits.
+//! those of the linear scan: the query returns the leftmost bin that fits, and a run of
+//! equal lengths is placed a bin-share at a time (the copies sequential first fit would put
+//! into the same bin): one tree operation per (run, bin) pair instead of one per item.
 
 use super::{capacity_indexable, Bins, Problem};
 
@@ -190,10 +192,27 @@ pub(crate) fn first_fit(p: &Problem<'_>, order: &[u32]) -> Bins {
     let mut tok_rem: Vec<i64> = Vec::new();
     let mut med_rem: Vec<i64> = Vec::new();
     let mut log: Vec<(u32, u32)> = Vec::with_capacity(order.len());
-    for &it in order {
-        let i = it as usize;
-        let l = p.lens[i];
+    // Lengths in placement order, gathered in one independent-load loop (the placement loop
+    // is a chain of dependent tree operations; a random read there stalls it).
+    let ord_lens: Vec<i64> = order.iter().map(|&i| p.lens[i as usize]).collect();
+    let mut k = 0;
+    let mut run_end = 0;
+    while k < order.len() {
+        let i = order[k] as usize;
+        let l = ord_lens[k];
         let m = p.media.map_or(0, |md| md[i]);
+        // A run of equal lengths (no media budget): sequential first fit puts consecutive
+        // copies into the same bin while they fit (every earlier bin is too full), so the
+        // whole share goes in with one tree update.
+        if k >= run_end {
+            run_end = k + 1;
+            if !with_media {
+                while run_end < order.len() && ord_lens[run_end] == l {
+                    run_end += 1;
+                }
+            }
+        }
+        let run = run_end - k;
         let found = if with_media {
             tree.leftmost2(l, m)
         } else {
@@ -212,15 +231,24 @@ pub(crate) fn first_fit(p: &Problem<'_>, order: &[u32]) -> Bins {
                 b
             }
         };
-        counts[bin] += 1;
-        tok_rem[bin] -= l;
-        med_rem[bin] -= m;
+        let by_room = if l > 0 {
+            usize::try_from(tok_rem[bin] / l).unwrap_or(usize::MAX)
+        } else {
+            usize::MAX
+        };
+        let take = run.min(by_room).min(p.max_items - counts[bin]).max(1);
+        for &it in &order[k..k + take] {
+            log.push((bin as u32, it));
+        }
+        counts[bin] += take;
+        tok_rem[bin] -= l * take as i64;
+        med_rem[bin] -= m * take as i64;
         if counts[bin] >= p.max_items {
             tree.set(bin, CLOSED, CLOSED);
         } else {
             tree.set(bin, tok_rem[bin], med_rem[bin]);
         }
-        log.push((bin as u32, it));
+        k += take;
     }
     Bins::from_log(counts.len(), &log, None)
 }

@@ -88,37 +88,41 @@ fn ascending(lens: &[i64], capacity: i64) -> Vec<u32> {
 }
 
 /// An ascending `(size, index)` run re-ordered by size descending, ties by index ascending
-/// (what a stable descending sort of input-ordered items gives).
-fn descending_stable(asc: &[u32], lens: &[i64]) -> Vec<u32> {
+/// (what a stable descending sort of input-ordered items gives); sizes travel along.
+fn descending_stable(asc: &[u32], sizes: &[i64]) -> (Vec<u32>, Vec<i64>) {
     let mut out = Vec::with_capacity(asc.len());
+    let mut out_sizes = Vec::with_capacity(asc.len());
     let mut end = asc.len();
     while end > 0 {
-        let s = lens[asc[end - 1] as usize];
+        let s = sizes[end - 1];
         let mut start = end - 1;
-        while start > 0 && lens[asc[start - 1] as usize] == s {
+        while start > 0 && sizes[start - 1] == s {
             start -= 1;
         }
         out.extend_from_slice(&asc[start..end]);
+        out_sizes.extend_from_slice(&sizes[start..end]);
         end = start;
     }
-    out
+    (out, out_sizes)
 }
 
 pub(crate) fn mffd(lens: &[i64], capacity: i64) -> Bins {
     let c = i128::from(capacity);
-    let size = |i: u32| lens[i as usize];
     let asc = ascending(lens, capacity);
+    // Sizes in that order, gathered once so later passes read them sequentially.
+    let asc_sizes: Vec<i64> = asc.iter().map(|&i| lens[i as usize]).collect();
     // Class boundaries in the ascending order: tiny | small | medium | large.
-    let small_at = asc.partition_point(|&i| 6 * i128::from(size(i)) <= c);
-    let medium_at = asc.partition_point(|&i| 3 * i128::from(size(i)) <= c);
-    let large_at = asc.partition_point(|&i| 2 * i128::from(size(i)) <= c);
-    let large = descending_stable(&asc[large_at..], lens);
-    let medium = descending_stable(&asc[medium_at..large_at], lens);
-    let small: Vec<u32> = asc[small_at..medium_at].to_vec();
-    let medium_sizes: Vec<i64> = medium.iter().map(|&i| size(i)).collect();
+    let small_at = asc_sizes.partition_point(|&s| 6 * i128::from(s) <= c);
+    let medium_at = asc_sizes.partition_point(|&s| 3 * i128::from(s) <= c);
+    let large_at = asc_sizes.partition_point(|&s| 2 * i128::from(s) <= c);
+    let (large, large_sizes) = descending_stable(&asc[large_at..], &asc_sizes[large_at..]);
+    let (medium, medium_sizes) =
+        descending_stable(&asc[medium_at..large_at], &asc_sizes[medium_at..large_at]);
+    let small: &[u32] = &asc[small_at..medium_at];
+    let small_sizes: &[i64] = &asc_sizes[small_at..medium_at];
 
     let nl = large.len();
-    let mut sums: Vec<i64> = large.iter().map(|&i| size(i)).collect();
+    let mut sums: Vec<i64> = large_sizes;
     let mut has_medium = vec![false; nl];
     // Placement log (bin, item); bins 0..nl are the phase-1 bins.
     let mut log: Vec<(u32, u32)> = Vec::with_capacity(lens.len());
@@ -136,7 +140,7 @@ pub(crate) fn mffd(lens: &[i64], capacity: i64) -> Bins {
         if let Some(&it) = medium.get(q) {
             med_alive.kill_forward(q);
             dead[it as usize] = true;
-            sums[b] += size(it);
+            sums[b] += medium_sizes[q];
             has_medium[b] = true;
             log.push((b as u32, it));
         }
@@ -153,15 +157,15 @@ pub(crate) fn mffd(lens: &[i64], capacity: i64) -> Bins {
         let rem = capacity - sums[b];
         let f = s_fwd.find(0);
         let g = s_fwd.find(f + 1);
-        let (fi, gi) = (small[f], small[g]);
-        if size(fi) + size(gi) > rem {
+        let (fi, fs) = (small[f], small_sizes[f]);
+        if fs + small_sizes[g] > rem {
             continue;
         }
         s_fwd.kill_forward(f);
         s_back.kill(f);
-        let r2 = rem - size(fi);
+        let r2 = rem - fs;
         // Largest alive position whose size fits r2 (exists: g fits).
-        let p = small.partition_point(|&i| size(i) <= r2);
+        let p = small_sizes.partition_point(|&x| x <= r2);
         let Some(j) = p.checked_sub(1).and_then(|p| s_back.find(p)) else {
             continue;
         };
@@ -171,18 +175,24 @@ pub(crate) fn mffd(lens: &[i64], capacity: i64) -> Bins {
         small_left -= 2;
         dead[fi as usize] = true;
         dead[ji as usize] = true;
-        sums[b] += size(fi) + size(ji);
+        sums[b] += fs + small_sizes[j];
         log.push((b as u32, fi));
         log.push((b as u32, ji));
     }
 
     // Phase 4: remaining medium + small + tiny, by size descending (ties: input order);
     // each phase-1 bin repeatedly takes the first (largest) item that fits.
-    let rest: Vec<u32> = descending_stable(&asc[..large_at], lens)
-        .into_iter()
-        .filter(|&i| !dead[i as usize])
-        .collect();
-    let rest_sizes: Vec<i64> = rest.iter().map(|&i| size(i)).collect();
+    let (all_rest, all_rest_sizes) = descending_stable(&asc[..large_at], &asc_sizes[..large_at]);
+    let mut rest: Vec<u32> = Vec::with_capacity(all_rest.len());
+    let mut rest_sizes: Vec<i64> = Vec::with_capacity(all_rest.len());
+    for (&i, &sz) in all_rest.iter().zip(&all_rest_sizes) {
+        if !dead[i as usize] {
+            rest.push(i);
+            rest_sizes.push(sz);
+        }
+    }
+    drop((all_rest, all_rest_sizes));
+    let mut rest_taken = vec![false; rest.len()];
     // first_le[v]: first position in `rest` whose size is <= v (sizes descending).
     let first_le: Option<Vec<u32>> = capacity_indexable(capacity, lens.len()).then(|| {
         let mut table = Vec::with_capacity(capacity as usize + 1);
@@ -204,10 +214,12 @@ pub(crate) fn mffd(lens: &[i64], capacity: i64) -> Bins {
                 None => rest_sizes.partition_point(|&x| x > rem),
             };
             let q = r_alive.find(p);
-            let Some(&it) = rest.get(q) else { break };
+            let Some(&it) = rest.get(q) else {
+                break;
+            };
             r_alive.kill_forward(q);
-            dead[it as usize] = true;
-            *sum += size(it);
+            rest_taken[q] = true;
+            *sum += rest_sizes[q];
             log.push((b as u32, it));
         }
     }
@@ -219,11 +231,10 @@ pub(crate) fn mffd(lens: &[i64], capacity: i64) -> Bins {
     queue.push(0, next_bin);
     next_bin += 1;
     let mut used: Vec<bool> = vec![false];
-    for &it in &rest {
-        if dead[it as usize] {
+    for ((&it, &s), &taken) in rest.iter().zip(&rest_sizes).zip(&rest_taken) {
+        if taken {
             continue;
         }
-        let s = size(it);
         let (fill, bin) = match queue.peek() {
             Some((fill, bin)) if s <= capacity - fill => {
                 queue.pop();
@@ -247,13 +258,17 @@ pub(crate) fn mffd(lens: &[i64], capacity: i64) -> Bins {
         *r = b as u32;
     }
     let mut k = nl as u32;
-    for bin in queue.into_sorted() {
+    let mut loads = sums;
+    for (bin, fill) in queue.into_sorted() {
         if used[(bin as usize) - nl] {
             rank[bin as usize] = k;
             k += 1;
+            loads.push(fill);
         }
     }
-    Bins::from_log(k as usize, &log, Some(&rank))
+    let mut bins = Bins::from_log(k as usize, &log, Some(&rank));
+    bins.loads = Some(loads);
+    bins
 }
 
 const NONE: u32 = u32::MAX;
@@ -357,8 +372,8 @@ impl FillQueue {
         }
     }
 
-    /// Bins in `(fill, insertion order)` order.
-    fn into_sorted(self) -> Vec<u32> {
+    /// `(bin, fill)` in `(fill, insertion order)` order.
+    fn into_sorted(self) -> Vec<(u32, i64)> {
         match self {
             Self::Buckets {
                 head,
@@ -372,7 +387,7 @@ impl FillQueue {
                 while let Some(fill) = f {
                     let mut b = head[fill];
                     while b != NONE {
-                        out.push(b);
+                        out.push((b, fill as i64));
                         b = next[(b - base) as usize];
                     }
                     f = bits.successor(fill + 1);
@@ -382,7 +397,7 @@ impl FillQueue {
             Self::Heap { heap, .. } => {
                 let mut keys: Vec<(i64, u64, u32)> = heap.into_iter().map(|Reverse(k)| k).collect();
                 keys.sort_unstable();
-                keys.into_iter().map(|k| k.2).collect()
+                keys.into_iter().map(|k| (k.2, k.0)).collect()
             }
         }
     }
