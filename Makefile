@@ -12,11 +12,17 @@ DEPS_STAMP := $(VENV)/.mmpack-deps
 # The pyo3 crate reads this to find the interpreter when `cargo` builds the bindings.
 export PYO3_PYTHON := $(abspath $(PY))
 
-$(DEPS_STAMP): pyproject.toml
+$(DEPS_STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || python3 -m venv $(VENV)
 	$(PY) -m pip install -q -U 'pip>=25.1'
-	$(PY) -m pip install -q --group test --group lint
+	$(PY) -m pip install -q -c constraints.txt --group test --group lint
 	@touch $(DEPS_STAMP)
+
+.PHONY: lock
+lock: venv  ## re-pin constraints.txt from the current environment
+	$(PY) -m pip install -q --group test --group lint --group bench
+	{ sed -n '1,3p' constraints.txt; $(PY) -m pip freeze --exclude mmpack --exclude-editable; } > constraints.tmp
+	mv constraints.tmp constraints.txt
 
 .PHONY: venv
 venv: $(DEPS_STAMP)
@@ -53,15 +59,27 @@ demo: build-release  ## the main job
 
 .PHONY: bench
 bench: build-release  ## every benchmark, side by side with the plain-Python references
+	$(PY) -m pip install -q -c constraints.txt --group bench
 	@for b in benches/bench_*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
 
 .PHONY: wheel
-wheel: venv  ## release wheel (fat LTO) into dist/, installed into a fresh venv and imported
-	maturin build --release --locked --out dist
+wheel: venv  ## release wheel (fat LTO) into dist/, installed into a fresh venv and used there
+	rm -rf dist && maturin build --release --locked --out dist
 	rm -rf $(VENV)-wheel && python3 -m venv $(VENV)-wheel
-	$(VENV)-wheel/bin/pip install -q numpy
-	$(VENV)-wheel/bin/pip install -q --no-deps --force-reinstall dist/mmpack-*.whl
-	cd / && $(abspath $(VENV))-wheel/bin/python -c "import mmpack, mmpack.packing; print('mmpack', mmpack.__version__, 'imports from', mmpack.__file__)"
+	$(VENV)-wheel/bin/pip install -q -c constraints.txt numpy
+	$(VENV)-wheel/bin/pip install -q --no-deps dist/mmpack-*.whl
+	cd / && $(abspath $(VENV))-wheel/bin/python -c "$$WHEEL_SMOKE"
+
+# Run from / so the source tree cannot shadow the installed wheel; torch is not installed there,
+# which also proves that packing and masks need numpy alone.
+define WHEEL_SMOKE
+import mmpack, mmpack.masks, mmpack.packing
+assert "site-packages" in mmpack.__file__, mmpack.__file__
+p = mmpack.packing.pack([3, 5, 2, 7], 10)
+assert sorted(p.item_indices.tolist()) == [0, 1, 2, 3] and p.num_bins == 2
+print("mmpack", mmpack.__version__, "wheel OK:", mmpack.__file__)
+endef
+export WHEEL_SMOKE
 
 .PHONY: fmt
 fmt: venv

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import uuid
+from typing import Any
 
 import numpy as np
 import pytest
@@ -261,6 +262,26 @@ def test_to_moves_every_tensor_in_place() -> None:
     for name in PackedBatch._TENSOR_FIELDS:
         assert getattr(b, name).device.type == "meta"
     assert all(t.device.type == "meta" for t in b.media["pv"].tensors if t is not None)
+
+
+def test_to_blocks_unless_the_target_is_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    # a non-blocking copy to the host may be read before it completes: only CUDA gets one
+    b = pack_samples(
+        [EncodedSample("d", TOKENS, loss_mask=[0, 0, 0, 0, 1, 1, 1], media={"pv": _image()})],
+        loss_mask_mode="precomputed",
+    )
+    flags: list[bool] = []
+    real_to = torch.Tensor.to
+
+    def spy(self: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        flags.append(bool(kwargs.get("non_blocking", False)))
+        return real_to(self, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "to", spy)
+    b.to("cpu", non_blocking=True)
+    b.to("meta", non_blocking=True)
+    assert len(flags) >= len(PackedBatch._TENSOR_FIELDS)
+    assert not any(flags)
 
 
 # megatron-core warns on import about Transformer Engine / Apex being absent (CPU machine)

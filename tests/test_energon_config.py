@@ -119,12 +119,35 @@ def test_tokenizer_without_special_tokens_is_refused(tokenizer: Any) -> None:
         PackingTaskEncoder(PackingEncoderConfig(), tokenizer=bare, processor={"patch_size": 16})
 
 
-def test_reference_backend_refuses_budgets_it_does_not_implement(tokenizer: Any) -> None:
+def test_reference_backend_refuses_what_it_does_not_implement(tokenizer: Any) -> None:
     cfg = PackingEncoderConfig(algorithm="first_fit_decreasing", media_budget=100)
     with pytest.raises(EnergonConfigError, match="reference packer"):
         PackingTaskEncoder(
             cfg, tokenizer=tokenizer, processor={"patch_size": 16}, backend="reference"
         )
+    # the default algorithm is mmpack's own: the reference cannot run it, and says so
+    with pytest.raises(EnergonConfigError, match=r"only NeMo-RL's .*'best_fit_decreasing' needs"):
+        PackingTaskEncoder(
+            PackingEncoderConfig(),
+            tokenizer=tokenizer,
+            processor={"patch_size": 16},
+            backend="reference",
+        )
+    with pytest.raises(EnergonConfigError, match=r"rejected by the reference packer.*unknown"):
+        PackingTaskEncoder(
+            PackingEncoderConfig(algorithm="no_such_algorithm"),
+            tokenizer=tokenizer,
+            processor={"patch_size": 16},
+            backend="reference",
+        )
+    # aliases resolve as in mmpack.packing.pack
+    encoder = PackingTaskEncoder(
+        PackingEncoderConfig(algorithm="ffd"),
+        tokenizer=tokenizer,
+        processor={"patch_size": 16},
+        backend="reference",
+    )
+    assert encoder.backend == "reference"
     with pytest.raises(EnergonConfigError, match="backend must be"):
         PackingTaskEncoder(
             PackingEncoderConfig(),
@@ -159,3 +182,31 @@ def test_missing_energon_names_the_extra() -> None:
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert "pip install 'mmpack[energon]'" in out.stdout, out.stdout + out.stderr
+
+
+def test_a_bad_precomputed_mask_fails_only_its_own_sample(tokenizer: Any) -> None:
+    # validated in preencode_sample: found later by the batch builder, it would fail the whole
+    # pack the sample was selected into
+    from mmpack.energon import EncodedConversation, cook_generic
+    from mmpack.errors import LossMaskError
+
+    class TwoInMask(PackingTaskEncoder):
+        def encode_conversation(self, conversation: Any) -> EncodedConversation:
+            encoded = super().encode_conversation(conversation)
+            assert encoded.loss_mask is not None
+            encoded.loss_mask[-1] = 2
+            return encoded
+
+    encoder = TwoInMask(
+        PackingEncoderConfig(loss_mask_mode="precomputed"),
+        tokenizer=tokenizer,
+        processor={"patch_size": 16},
+    )
+    raw = {
+        "__key__": "bad-mask",
+        "__restore_key__": ("t", 1),
+        "json": b'{"messages": [{"role": "user", "content": "kaka"}, {"role": "assistant", '
+        b'"content": "lolo"}]}',
+    }
+    with pytest.raises(LossMaskError, match=r"sample 'bad-mask' has value 2 at position \d+"):
+        encoder.preencode_sample(cook_generic(raw))

@@ -4,6 +4,7 @@ materialization path and the unique-segment device feed (``mmpack._materialize``
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Any
 
 import numpy as np
@@ -127,3 +128,17 @@ def test_packed_batch_to_moves_media_through_the_device_feed() -> None:
     assert moved.tensors[0].device.type == "meta"
     assert counters.total_bytes - before == image.nbytes  # the image crossed once
     assert moved.as_tensor().shape == (12, 6)
+
+
+def test_nested_tensors_take_the_torch_path() -> None:
+    """A strided nested tensor has no flat byte view: it is never staged or gathered natively
+    (the device feed would fail on it), and ``as_tensor`` gives ``torch.cat``'s result."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "nested tensors are a prototype"
+        nested = torch.nested.nested_tensor([torch.ones(2, 3), torch.zeros(3, 3)])
+    assert not _materialize._is_plain_cpu(nested)
+    value = PackedTensor([nested, nested], 0)
+    got = value.as_tensor()
+    expected = torch.cat([nested, nested])
+    assert got is not None and got.is_nested
+    assert [t.tolist() for t in got.unbind()] == [t.tolist() for t in expected.unbind()]

@@ -3,11 +3,12 @@ error, rank assignment, the NeMo-RL facade and its metrics."""
 
 from __future__ import annotations
 
+import gc
 import random
 
 import numpy as np
 import pytest
-from mmpack import errors
+from mmpack import _native, errors
 from mmpack._reference import packing as ref
 from mmpack.packing import (
     ALGORITHMS,
@@ -280,6 +281,22 @@ def test_pack_flat_result() -> None:
     assert p.oversize.tolist() == [] and p.bin_media is None
     assert "num_bins=3" in repr(p)
     check_invariants(p, lengths.tolist(), 10)
+
+
+def test_bins_leaves_the_garbage_collector_as_it_was() -> None:
+    # csr_to_lists pauses the cyclic GC while it builds the lists, then restores its state
+    p = pack(np.arange(1, 2001, dtype=np.int64), 4000, algorithm="concatenative")
+    expected = [p.bin(b).tolist() for b in range(p.num_bins)]
+    was_enabled = gc.isenabled()
+    try:
+        for enabled in (True, False):
+            (gc.enable if enabled else gc.disable)()
+            assert p.bins() == expected
+            assert gc.isenabled() == enabled
+    finally:
+        (gc.enable if was_enabled else gc.disable)()
+    with pytest.raises(errors.PackingArgumentError, match=r"bad bin range 2\.\.1"):
+        _native.csr_to_lists(np.array([0, 2, 1], dtype=np.int64), p.item_indices)
 
 
 def test_pack_is_zero_copy_for_int64_and_converts_other_ints() -> None:

@@ -86,6 +86,33 @@ def test_shared_tensors_and_plain_leaves_across_a_nested_structure(PT: Any) -> N
     assert stats.logical_segments == 3 + 2 + 1
 
 
+def test_segment_kinds_inside_a_packed_value(PT: Any) -> None:
+    """Arrays, tensor subclasses and repeated objects count; other entries are absent."""
+    a = _img(7)
+    arr = np.ones((2, 3), dtype=np.float64)
+    param = torch.nn.Parameter(torch.ones(5), requires_grad=False)
+    value = PT(
+        [a, arr, param, a, None, "not a segment"],
+        0,
+        _row_offsets=[0, 2, 6],
+        _segment_indices=[0, 1, 2, 3, 4, 5],
+    )
+    stats = payload.measure([value, a])
+    assert stats.physical_bytes == a.nbytes + arr.nbytes + param.nbytes
+    assert stats.physical_segments == 3
+    assert stats.logical_bytes == 3 * a.nbytes + arr.nbytes + param.nbytes
+    assert stats.logical_segments == 5
+
+
+def test_out_of_range_segment_index_is_a_typed_error() -> None:
+    from mmpack.errors import LayoutError
+
+    value = RefPT([_img(8)], 0, _row_offsets=[0, 1], _segment_indices=[0])
+    value._segment_indices = [3]  # corrupted behind the constructor's back
+    with pytest.raises(LayoutError, match="out-of-range physical segment"):
+        payload.measure(value)
+
+
 def test_dataclass_and_mapping_subclass_are_walked() -> None:
     @dataclasses.dataclass
     class Holder:

@@ -87,6 +87,7 @@ def _is_plain_cpu(t: Any) -> bool:
         type(t) is torch.Tensor
         and t.is_cpu
         and t.layout == torch.strided
+        and not t.is_nested  # a strided nested tensor has no flat shape or byte view
         and not t.requires_grad
         and not t.is_quantized
         and not t.is_conj()
@@ -193,27 +194,33 @@ def _torch_path(
     """NeMo-RL's ``as_tensor`` after the device move and the None filter: the reference
     semantics, used for everything the native gather does not cover."""
     if pad_to_max_shape:
-        ranks = {t.ndim for t in logical}
-        if len(ranks) != 1:
-            raise ValueError(
-                "pad_to_max_shape requires tensors with the same rank, "
-                f"but received ranks {sorted(ranks)}"
-            )
-        rank = ranks.pop()
-        pack_dim = dim_to_pack if dim_to_pack >= 0 else rank + dim_to_pack
-        if not 0 <= pack_dim < rank:
-            raise IndexError(f"dim_to_pack={dim_to_pack} is invalid for tensors with rank {rank}")
-        max_shape = [max(t.shape[d] for t in logical) for d in range(rank)]
-        padded: dict[int, torch.Tensor] = {}
-        items = []
-        for t in logical:
-            p = padded.get(id(t))
-            if p is None:
-                p = F.pad(t, _padding(t.shape, max_shape, pack_dim))
-                padded[id(t)] = p
-            items.append(p)
-        logical = items
+        logical = _padded(logical, dim_to_pack)
     return torch.cat(logical, dim=dim_to_pack).to(device)
+
+
+def _padded(items: list[Any], dim_to_pack: int) -> list[Any]:
+    """NeMo-RL's ``pad_to_max_shape`` step (its checks and messages): every item zero-padded to
+    the largest size of each dimension but ``dim_to_pack``; an object listed twice is padded
+    once."""
+    ranks = {t.ndim for t in items}
+    if len(ranks) != 1:
+        raise ValueError(
+            "pad_to_max_shape requires tensors with the same rank, "
+            f"but received ranks {sorted(ranks)}"
+        )
+    rank = ranks.pop()
+    pack_dim = dim_to_pack if dim_to_pack >= 0 else rank + dim_to_pack
+    if not 0 <= pack_dim < rank:
+        raise IndexError(f"dim_to_pack={dim_to_pack} is invalid for tensors with rank {rank}")
+    max_shape = [max(t.shape[d] for t in items) for d in range(rank)]
+    padded: dict[int, Any] = {}
+    out = []
+    for t in items:
+        p = padded.get(id(t))
+        if p is None:
+            p = padded[id(t)] = F.pad(t, _padding(t.shape, max_shape, pack_dim))
+        out.append(p)
+    return out
 
 
 def _padding(shape: Sequence[int], max_shape: Sequence[int], pack_dim: int) -> list[int]:
@@ -446,18 +453,7 @@ def _torch_tensor_path(
     dtypes, ...): NeMo-RL's checks, each physical segment padded once, then one ``torch.cat``
     of the logical list; on a device this expands the rows there."""
     if pad_to_max_shape:
-        ranks = {t.ndim for t in segs}
-        if len(ranks) != 1:
-            raise ValueError(
-                "pad_to_max_shape requires tensors with the same rank, "
-                f"but received ranks {sorted(ranks)}"
-            )
-        rank = ranks.pop()
-        pack_dim = dim_to_pack if dim_to_pack >= 0 else rank + dim_to_pack
-        if not 0 <= pack_dim < rank:
-            raise IndexError(f"dim_to_pack={dim_to_pack} is invalid for tensors with rank {rank}")
-        max_shape = [max(t.shape[d] for t in segs) for d in range(rank)]
-        segs = [F.pad(t, _padding(t.shape, max_shape, pack_dim)) for t in segs]
+        segs = _padded(segs, dim_to_pack)
     logical = [segs[j] for j in src_order.tolist()]
     if out is not None:
         expected = _cat_shape(segs, src_order, dim_to_pack)

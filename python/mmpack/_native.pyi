@@ -70,6 +70,12 @@ class PackedLayout:
 def packed_concat(
     values: Any, mode: int = 0
 ) -> tuple[Any, Any, PackedLayout | None, list[Any] | None]: ...
+def measure_segments(
+    tensors: list[Any],
+    indices: numpy.ndarray | None,
+    seen: set[int],
+    array_types: tuple[type, ...],
+) -> tuple[int, int, int, int]: ...
 
 # --- packing ---
 class ItemTooLargeError(MmpackError): ...

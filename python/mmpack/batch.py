@@ -102,22 +102,27 @@ class PackedBatch:
     def to(self, device: torch.device | str, non_blocking: bool = True) -> PackedBatch:
         """Move every tensor (media included) to ``device``, in place; returns ``self``.
 
-        In place like ``PackedTensor.to`` and NeMo-RL's ``BatchedDataDict.to``.
+        In place like ``PackedTensor.to`` and NeMo-RL's ``BatchedDataDict.to``. Everything
+        crosses through ``mmpack._materialize.move_segments``: towards CUDA the token tensors
+        are staged in one pinned buffer per dtype and copied with ``non_blocking``; towards
+        any other device the copy is blocking, since a non-blocking copy to the host can be
+        read before it has completed.
         """
-        for name in self._TENSOR_FIELDS:
-            setattr(self, name, getattr(self, name).to(device, non_blocking=non_blocking))
-        self._move_media(device, non_blocking)
-        return self
-
-    def _move_media(self, device: torch.device | str, non_blocking: bool) -> None:
-        """The one place media crosses to a device (PackedTensor's own device path)."""
+        from mmpack import _materialize as materialize
         from mmpack.packed import PackedTensor as Packed
 
+        fields = self._TENSOR_FIELDS
+        moved = materialize.move_segments(
+            [getattr(self, name) for name in fields], device, non_blocking=non_blocking
+        )
+        for name, tensor in zip(fields, moved, strict=True):
+            setattr(self, name, tensor)
         for value in self.media.values():
             if isinstance(value, Packed):  # unique segments cross once (mmpack._materialize)
                 value.to(device, non_blocking=non_blocking)
             else:
                 value.to(device)
+        return self
 
     def packed_seq_params(self) -> Any:
         """Megatron-Core's ``PackedSeqParams`` for this pack (``qkv_format="thd"``).

@@ -13,7 +13,8 @@ NeMo-RL states map onto it as:
 
 ``_row_offsets``, ``_segment_indices`` and ``_segment_provenance`` stay readable (fresh lists
 equal to NeMo-RL's) and assignable (revalidated). Whole-batch operations (``concat``,
-``slice``, ``shard``, ``repeat_interleave``, counts) are one native call each.
+``slice``, ``shard``, ``repeat_interleave``, counts) are one native call each. ``as_tensor``
+and ``to`` delegate to ``mmpack._materialize``, the only materialization path.
 
 Extras beyond NeMo-RL: :meth:`PackedTensor.repeat_interleave`, :meth:`PackedTensor.shard`,
 :meth:`PackedTensor.csr`, :meth:`PackedTensor.physical_nbytes`,
@@ -21,8 +22,6 @@ Extras beyond NeMo-RL: :meth:`PackedTensor.repeat_interleave`, :meth:`PackedTens
 
 Private hooks for other mmpack modules:
 
-* ``_logical_tensors()``: the logical segment list (``None`` entries included);
-* ``_materialize(device)``: what ``as_tensor`` returns after any in-place device move;
 * ``csr()``: row offsets and segment indices as read-only int64 arrays;
 * ``PackedTensor._make(tensors, dim_to_pack, pad_to_max_shape, layout)``: build a value without
   validation from a tensors list and a ``PackedLayout`` (or ``None`` for state L);
@@ -45,7 +44,6 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch._utils import _flatten_dense_tensors
 
 from mmpack._native import (
@@ -61,6 +59,7 @@ _CORE_KEYS = frozenset(("tensors", "dim_to_pack", "pad_to_max_shape", "_layout")
 _RAW_KEYS = ("_row_offsets", "_segment_indices", "_segment_provenance")
 _BOTH_OR_NEITHER = "_row_offsets and _segment_indices must either both be set or both be None"
 _EMPTY_I64 = np.zeros(0, dtype=np.int64)
+_new_object = object.__new__
 
 
 class _Missing:
@@ -379,14 +378,6 @@ class PackedTensor:
             self.__dict__["_layout"] = lay.with_provenance(PackedLayout.mint(n))
         return self
 
-    def _row_segment_indices(self, row: int) -> list[int]:
-        lay = self._lay()
-        if lay is None or not lay.is_csr:
-            return [row]
-        offsets, indices = lay.offsets(), lay.indices()
-        assert offsets is not None and indices is not None
-        return [int(x) for x in indices[offsets[row] : offsets[row + 1]]]
-
     # ------------------------------------------------------------------ copies
 
     def __copy__(self) -> PackedTensor:
@@ -395,7 +386,13 @@ class PackedTensor:
         return obj
 
     def __deepcopy__(self, memo: dict[int, Any]) -> PackedTensor:
-        """Dedup values share their tensors and provenance; others deep-copy their tensors."""
+        """Dedup values share their tensors and provenance; others deep-copy their tensors.
+
+        Hot in NeMo-RL's G-expansion (one call per copy of every prompt's value).
+        """
+        # copy.deepcopy keeps the original alive in ``memo[id(memo)]`` and creates that list by
+        # catching a KeyError on a fresh memo; creating it here skips the exception.
+        memo.setdefault(id(memo), [])
         lay = self._layout
         if lay is _MISSING:
             lay = self._lay()
@@ -403,33 +400,14 @@ class PackedTensor:
             tensors = list(self.tensors)
         else:
             tensors = [deepcopy(item, memo) for item in self.tensors]
-        copied = object.__new__(type(self))
+        copied = _new_object(type(self))
         copied.tensors = tensors
         copied.dim_to_pack = self.dim_to_pack
         copied.pad_to_max_shape = self.pad_to_max_shape
         copied._layout = lay
-        memo[id(self)] = copied
         return copied
 
     # ------------------------------------------------------------------ materialization
-
-    def _logical_tensors(self) -> list[Any]:
-        """The logical segment list (``None`` entries and repeats included)."""
-        lay = self._lay()
-        if lay is None or not lay.is_csr:
-            return self.tensors
-        tensors = self.tensors
-        return [tensors[i] for i in lay.indices_list() or ()]
-
-    def _materialize(self, device: Any = None) -> torch.Tensor | None:
-        """NeMo-RL's ``as_tensor`` after its in-place device move: concatenate the non-``None``
-        logical segments along ``dim_to_pack`` (padding first with ``pad_to_max_shape``)."""
-        items = [t for t in self._logical_tensors() if t is not None]
-        if not items:
-            return None
-        if self.pad_to_max_shape:
-            items = _pad_to_max(items, self.dim_to_pack)
-        return torch.cat(items, dim=self.dim_to_pack).to(device)
 
     def as_tensor(
         self,
@@ -691,28 +669,6 @@ class PackedTensor:
             "extra": extra,
         }
         return (copyreg._reconstructor, (type(self), object, None), state)  # type: ignore[attr-defined]
-
-
-def _pad_to_max(items: list[torch.Tensor], dim_to_pack: int) -> list[torch.Tensor]:
-    ranks = {t.ndim for t in items}
-    if len(ranks) != 1:
-        raise ValueError(
-            "pad_to_max_shape requires tensors with the same rank, "
-            f"but received ranks {sorted(ranks)}"
-        )
-    rank = ranks.pop()
-    pack = dim_to_pack if dim_to_pack >= 0 else rank + dim_to_pack
-    if not 0 <= pack < rank:
-        raise IndexError(f"dim_to_pack={dim_to_pack} is invalid for tensors with rank {rank}")
-    max_shape = [max(t.shape[d] for t in items) for d in range(rank)]
-
-    def pad(t: torch.Tensor) -> torch.Tensor:
-        padding: list[int] = []
-        for d in reversed(range(rank)):
-            padding.extend((0, 0 if d == pack else max_shape[d] - t.shape[d]))
-        return F.pad(t, padding)
-
-    return [pad(t) for t in items]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -542,7 +542,7 @@ class SequencePacker:
         if collect_metrics:
             self.metrics = PackingMetrics()
 
-    def _pack_flat(self, sequence_lengths: Sequence[int]) -> tuple[Packing, IntArray]:
+    def _pack_flat(self, sequence_lengths: Sequence[int]) -> Packing:
         arr = _as_int64(sequence_lengths, "sequence_lengths")
         cap = self.bin_capacity
         alg = self.algorithm
@@ -553,16 +553,18 @@ class SequencePacker:
         order = None
         if alg is PackingAlgorithm.FIRST_FIT_SHUFFLE:
             order = _shuffle_order(len(arr), None)  # NeMo-RL shuffles the global state
+        # NeMo-RL's errors and their order; one min and one max pass over valid input
         if len(arr):
-            if mffd and int(arr.min()) <= 0:
+            lowest = int(arr.min())
+            if mffd and lowest <= 0:
                 raise InvalidLengthError("sequence lengths must be positive")
-            if int(arr.min()) < 0:
+            if lowest < 0:
                 bad = int(np.argmax(arr < 0))
                 raise InvalidLengthError(
                     f"item {bad} has length {int(arr[bad])}; lengths must be >= 0"
                 )
-            over = arr > cap
-            if over.any():
+            if int(arr.max()) > cap:
+                over = arr > cap
                 if alg is PackingAlgorithm.FIRST_FIT_DECREASING:
                     raise _too_long(int(arr.max()), cap)
                 if order is not None:
@@ -580,25 +582,21 @@ class SequencePacker:
             allow_zero=not mffd,
         )
         offsets, items, loads, _, oversize, total = out
-        packing = Packing(offsets, items, loads, oversize, cap, alg.value, total, _lengths=arr)
-        return packing, arr
+        return Packing(offsets, items, loads, oversize, cap, alg.value, total, _lengths=arr)
 
     def pack(self, sequence_lengths: Sequence[int]) -> list[list[int]]:
         """Packs and returns bins as lists of indices into ``sequence_lengths``."""
-        packing, arr = self._pack_flat(sequence_lengths)
-        bins = packing.bins()
-        if self.collect_metrics and self.metrics:
-            self.metrics._update_from_loads(
-                len(arr), packing.total_length, packing.bin_loads.tolist(), self.bin_capacity
-            )
-        return bins
+        return self.pack_flat(sequence_lengths).bins()
 
     def pack_flat(self, sequence_lengths: Sequence[int]) -> Packing:
         """Like ``pack`` but returns the flat :class:`Packing` (no per-bin lists)."""
-        packing, arr = self._pack_flat(sequence_lengths)
+        packing = self._pack_flat(sequence_lengths)
         if self.collect_metrics and self.metrics:
             self.metrics._update_from_loads(
-                len(arr), packing.total_length, packing.bin_loads.tolist(), self.bin_capacity
+                len(packing.item_indices),
+                packing.total_length,
+                packing.bin_loads.tolist(),
+                self.bin_capacity,
             )
         return packing
 

@@ -26,13 +26,15 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import operator
 import pickle
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import numpy as np
 import torch
+
+from mmpack import _native
+from mmpack.packed import PackedTensor
 
 __all__ = ["PayloadStats", "measure", "prepare_for_transfer"]
 
@@ -94,72 +96,30 @@ class _Acc:
             self.physical_segments += 1
 
     def packed(self, value: Any) -> None:
-        tensors = value.tensors
-        seen = self.seen
-        types = set(map(type, tensors))
-        none_mask: np.ndarray | None = None
-        if types <= _PLAIN_SEGMENT_TYPES:
-            # the common case, in C-level loops: plain tensors and Nones
-            if _NONE_TYPE in types:
-                sizes = [0 if t is None else t.nbytes for t in tensors]
-                none_mask = np.fromiter(
-                    (t is None for t in tensors), dtype=bool, count=len(tensors)
-                )
-                by_id = dict(zip(map(id, tensors), sizes, strict=True))
-                by_id.pop(id(None), None)
-            else:
-                sizes = list(map(_NBYTES, tensors))
-                by_id = dict(zip(map(id, tensors), sizes, strict=True))
-            fresh = by_id.keys() - seen
-            if fresh:
-                seen.update(fresh)
-                self.physical_bytes += sum(map(by_id.__getitem__, fresh))
-                self.physical_segments += len(fresh)
-        else:
-            sizes = []
-            absent = []
-            for t in tensors:
-                if isinstance(t, torch.Tensor):
-                    nb = t.nbytes
-                elif isinstance(t, np.ndarray):
-                    nb = int(t.nbytes)
-                else:  # None or a non-array entry: no segment
-                    sizes.append(0)
-                    absent.append(True)
-                    continue
-                sizes.append(nb)
-                absent.append(False)
-                key = id(t)
-                if key not in seen:
-                    seen.add(key)
-                    self.physical_bytes += nb
-                    self.physical_segments += 1
-            none_mask = np.array(absent, dtype=bool)
-        order = _segment_order(value)
-        if order is None:
-            self.logical_bytes += sum(sizes)
-            n_absent = 0 if none_mask is None else int(np.count_nonzero(none_mask))
-            self.logical_segments += len(sizes) - n_absent
-            return
-        self.logical_bytes += int(np.array(sizes, dtype=np.int64).take(order).sum())
-        n_absent = 0 if none_mask is None else int(np.count_nonzero(none_mask.take(order)))
-        self.logical_segments += order.size - n_absent
+        """One ``PackedTensor``-like value, in one native call (no per-segment Python)."""
+        phys_bytes, phys_segs, log_bytes, log_segs = _native.measure_segments(
+            value.tensors, _segment_order(value), self.seen, _ARRAY_TYPES
+        )
+        self.physical_bytes += phys_bytes
+        self.physical_segments += phys_segs
+        self.logical_bytes += log_bytes
+        self.logical_segments += log_segs
 
 
-_NONE_TYPE = type(None)
-_PLAIN_SEGMENT_TYPES = frozenset((torch.Tensor, _NONE_TYPE))
-_NBYTES = operator.attrgetter("nbytes")
+#: What counts as a segment inside a ``PackedTensor`` (any other entry, ``None`` included, is
+#: absent).
+_ARRAY_TYPES = (torch.Tensor, np.ndarray)
 
 
 def _segment_order(value: Any) -> np.ndarray | None:
     """The physical index of every logical segment, or ``None`` for the legacy layout."""
-    csr = getattr(value, "csr", None)
-    if callable(csr):
-        return np.asarray(csr()[1], dtype=np.int64)
+    if isinstance(value, PackedTensor):
+        lay = value._lay()
+        return None if lay is None else lay.indices()
     indices_list = getattr(value, "_segment_indices", None)
     if indices_list is None:
         return None
-    return np.asarray(indices_list, dtype=np.int64)
+    return np.asarray(indices_list, dtype=np.int64).reshape(-1)
 
 
 _SCALARS = frozenset((str, bytes, bytearray, int, float, bool, complex, type(None)))

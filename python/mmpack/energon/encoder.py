@@ -32,6 +32,7 @@ from megatron.energon import DefaultTaskEncoder, SkipSample, stateless
 from megatron.energon.errors import FatalSampleError
 from megatron.energon.task_encoder.base import get_failure_tolerance, get_stateless
 
+from mmpack import masks
 from mmpack.energon.config import PackingEncoderConfig
 from mmpack.energon.cookers import default_cookers
 from mmpack.energon.media import MediaHandle
@@ -135,7 +136,7 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
         self._probe_packer()
         self._check_hooks()
         self.stats = LoaderStats()
-        self._consecutive_skips = 0
+        # policy skips since the last sample that passed, per reason (the consecutive-skip guard)
         self._skips_in_a_row: dict[str, int] = {}
 
     # ------------------------------------------------------------------ construction checks
@@ -196,9 +197,12 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
                 media_capacity=cfg.media_budget,
                 seed=0,
             )
+        except EnergonConfigError:
+            raise
         except Exception as err:
+            packer = "mmpack.packing.pack" if self.backend == "native" else "the reference packer"
             raise EnergonConfigError(
-                f"packing options rejected by mmpack.packing.pack: {type(err).__name__}: {err}"
+                f"packing options rejected by {packer}: {type(err).__name__}: {err}"
             ) from err
 
     def dataset_options(self) -> dict[str, int]:
@@ -314,13 +318,13 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
 
     def _skip(self, sample: Any, reason: str, detail: str) -> SkipSample:
         self.stats.skip(reason)
-        self._consecutive_skips += 1
         self._skips_in_a_row[reason] = self._skips_in_a_row.get(reason, 0) + 1
+        consecutive = sum(self._skips_in_a_row.values())
         limit = self.config.max_consecutive_skips
-        if self._consecutive_skips >= limit:
+        if consecutive >= limit:
             by_reason = ", ".join(f"{k}: {v}" for k, v in sorted(self._skips_in_a_row.items()))
             err = TooManySkippedError(
-                f"{self._consecutive_skips} consecutive samples were skipped by policy "
+                f"{consecutive} consecutive samples were skipped by policy "
                 f"({by_reason}; last: {getattr(sample, '__key__', '?')}: {detail}). Energon waits "
                 "forever when every sample is skipped, so the job stops here: check the data or "
                 f"raise max_consecutive_skips (now {limit})"
@@ -329,8 +333,9 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
         return SkipSample(f"{reason}: {detail}")
 
     def check_policy(self, conversation: Conversation, encoded: EncodedConversation) -> None:
-        """Raise `SkipSample` (counted per reason) or `SampleFormatError` for samples that are bad
-        by policy. Override to add rules; call ``self._skip(sample, reason, detail)``."""
+        """Raise `SkipSample` (counted per reason) for samples that are bad by policy, or
+        `SampleFormatError` / `LossMaskError` for malformed ones (a precomputed mask is validated
+        here). Override to add rules; call ``self._skip(sample, reason, detail)``."""
         cfg = self.config
         key = conversation.__key__
         roles = [t.role for t in conversation.turns if t.role != "system"]
@@ -345,6 +350,9 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
                 f"the conversation ends on a {roles[-1]!r} turn, with no answer to train on",
             )
         if encoded.loss_mask is not None:
+            # checked here, per sample: a bad mask found by the batch builder would fail the
+            # whole pack it was selected into
+            masks.validate(encoded.loss_mask, encoded.num_tokens, sample_id=key)
             trainable = int(np.count_nonzero(encoded.loss_mask))
         else:
             roles = encoded.message_roles or []
@@ -383,7 +391,6 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
     def preencode_sample(self, sample: Conversation) -> EncodedConversation:
         encoded = self.encode_conversation(sample)
         self.check_policy(sample, encoded)
-        self._consecutive_skips = 0
         self._skips_in_a_row.clear()
         self.stats.add("encoded")
         return encoded
@@ -613,14 +620,22 @@ def _reference_pack(
 ) -> _ReferencePacking:
     """The plain-Python reference packer (NeMo-RL's algorithms) behind `mmpack.packing.pack`'s
     signature, for side-by-side runs."""
-    from mmpack._reference.packing import get_packer
+    from mmpack._reference.packing import PackingAlgorithm, get_packer
+    from mmpack.packing import _algorithm_name
 
+    supported = [a.value for a in PackingAlgorithm]
+    name = _algorithm_name(algorithm)  # an unknown name raises as in mmpack.packing.pack
+    if name not in supported:
+        raise EnergonConfigError(
+            f"backend='reference' runs only NeMo-RL's packing algorithms ({', '.join(supported)}); "
+            f"algorithm {algorithm!r} needs backend='native'"
+        )
     if max_items_per_bin is not None or media is not None or media_capacity is not None:
         raise EnergonConfigError(
             "the reference packer (NeMo-RL's algorithms) has no max_samples_per_pack or "
             "media_budget; use backend='native' for those"
         )
-    bins = get_packer(algorithm, capacity).pack([int(x) for x in lengths])
+    bins = get_packer(name, capacity).pack([int(x) for x in lengths])
     offsets = np.cumsum([0, *(len(b) for b in bins)], dtype=np.int64)
     items = np.array([i for b in bins for i in b], dtype=np.int64)
     return _ReferencePacking(offsets, items)

@@ -3,8 +3,12 @@ failed, packed, media decoded. Energon forks its workers (``multiprocessing_cont
 a `multiprocessing` array created with the task encoder, before the loader starts, is shared by
 every worker and read by the main process.
 
-The counters are statistics, not training state: they are not part of a loader checkpoint, and a
-restore that re-reads buffered samples counts them again.
+The counters are statistics of one loader run, not training state, so they are not part of a
+loader checkpoint. "Samples in = packed + skipped + failed" holds for a run that drains its
+buffers (an epoch, the demo). A run restored from a checkpoint starts from zero and re-reads the
+samples that were buffered, not yet packed, at the save; it counts them as seen (they are packed
+in this run), so adding the counts of the saved and the restored run counts those samples twice.
+Saving the counters in the checkpoint would not remove that double count, only move it.
 """
 
 from __future__ import annotations

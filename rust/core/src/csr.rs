@@ -510,6 +510,44 @@ impl Packed {
     }
 }
 
+/// Bytes and number of the present logical segments of a value: physical segment `indices[j]`
+/// for each logical `j`, or every physical segment once, in order, for the legacy layout
+/// (`indices` is `None`). `sizes[s]` is the byte size of physical segment `s`, `None` when the
+/// segment is absent (a `None` entry), which counts neither bytes nor a segment.
+///
+/// # Errors
+/// `SegmentIndexOutOfRange` if a reference is outside `sizes`, `IndexOverflow`.
+pub fn logical_totals(sizes: &[Option<u64>], indices: Option<&[i64]>) -> CoreResult<(u64, usize)> {
+    let (mut bytes, mut count) = (0u64, 0usize);
+    let mut add = |size: &Option<u64>| -> CoreResult<()> {
+        if let Some(b) = *size {
+            bytes = bytes.checked_add(b).ok_or(CoreError::IndexOverflow {
+                what: "the logical byte count",
+            })?;
+            count += 1; // at most one per reference: cannot overflow
+        }
+        Ok(())
+    };
+    match indices {
+        None => sizes.iter().try_for_each(&mut add)?,
+        Some(indices) => {
+            for (at, &src) in indices.iter().enumerate() {
+                match usize::try_from(src).ok().and_then(|s| sizes.get(s)) {
+                    Some(size) => add(size)?,
+                    None => {
+                        return Err(CoreError::SegmentIndexOutOfRange {
+                            at,
+                            value: src,
+                            n_physical: sizes.len(),
+                        })
+                    }
+                }
+            }
+        }
+    }
+    Ok((bytes, count))
+}
+
 /// Concatenate rows of several values, re-interning physical segments by provenance: the
 /// first occurrence of an id keeps its segment, inputs without provenance get fresh ids (so
 /// they never merge), unreferenced segments are carried along. The result is CSR with
@@ -749,5 +787,25 @@ mod tests {
         assert_eq!(r.packed.csr, csr(&[0, 2], &[0, 0]));
         assert_eq!(p.logical_counts(&[false, true]), Ok(vec![1, 1]));
         assert_eq!(p.logical_nbytes(&[4, 8]), Ok(16));
+    }
+
+    #[test]
+    fn logical_totals_skip_absent_and_repeat_references() {
+        let sizes = [Some(4), None, Some(0), Some(8)];
+        assert_eq!(logical_totals(&sizes, None), Ok((12, 3)));
+        assert_eq!(logical_totals(&sizes, Some(&[3, 3, 1, 2, 0])), Ok((20, 4)));
+        assert_eq!(logical_totals(&sizes, Some(&[])), Ok((0, 0)));
+        assert!(matches!(
+            logical_totals(&sizes, Some(&[0, 4])),
+            Err(CoreError::SegmentIndexOutOfRange { at: 1, value: 4, .. })
+        ));
+        assert!(matches!(
+            logical_totals(&sizes, Some(&[-1])),
+            Err(CoreError::SegmentIndexOutOfRange { at: 0, .. })
+        ));
+        assert!(matches!(
+            logical_totals(&[Some(u64::MAX), Some(1)], None),
+            Err(CoreError::IndexOverflow { .. })
+        ));
     }
 }

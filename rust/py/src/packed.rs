@@ -12,7 +12,7 @@ use numpy::{IntoPyArray, PyArray1, PyArrayMethods};
 use pyo3::exceptions::{PyAssertionError, PyTypeError};
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyList, PyTuple};
+use pyo3::types::{PyBytes, PyList, PySet, PySetMethods, PyTuple};
 
 use crate::errors::PyCoreError;
 
@@ -569,8 +569,59 @@ fn py_packed_concat<'py>(
     PyTuple::new(py, [dim, pad, lay.into_any(), out.into_any()])
 }
 
+/// `payload.measure`'s step for one `PackedTensor`-like value, in one call:
+/// `(physical_bytes, physical_segments, logical_bytes, logical_segments)`.
+///
+/// An entry of `tensors` that is an instance of `array_types` is a segment of `nbytes` bytes;
+/// any other entry (`None` included) is absent. A segment counts as physical only if its `id()`
+/// was not yet in `seen`, which it is added to. `indices` lists the physical segment of each
+/// logical one (`None` for the legacy layout: every entry once).
+#[pyfunction]
+#[pyo3(name = "measure_segments", signature = (tensors, indices, seen, array_types))]
+fn py_measure_segments(
+    py: Python<'_>,
+    tensors: &Bound<'_, PyList>,
+    indices: Option<&Bound<'_, PyArray1<i64>>>,
+    seen: &Bound<'_, PySet>,
+    array_types: &Bound<'_, PyTuple>,
+) -> PyResult<(u64, usize, u64, usize)> {
+    let nbytes = intern!(py, "nbytes");
+    let overflow = || PyCoreError(CoreError::IndexOverflow {
+        what: "the physical byte count",
+    });
+    let mut sizes = Vec::with_capacity(tensors.len());
+    let (mut physical_bytes, mut physical_segments) = (0u64, 0usize);
+    for item in tensors.iter() {
+        if item.is_none() || !item.is_instance(array_types)? {
+            sizes.push(None);
+            continue;
+        }
+        let size: u64 = item.getattr(nbytes)?.extract()?;
+        sizes.push(Some(size));
+        // `id(item)` in CPython; one hash operation tells whether it was new
+        let before = seen.len();
+        seen.add(item.as_ptr() as usize)?;
+        if seen.len() > before {
+            physical_bytes = physical_bytes.checked_add(size).ok_or_else(overflow)?;
+            physical_segments += 1;
+        }
+    }
+    let indices = indices.map(|a| a.try_readonly()).transpose()?;
+    let indices = indices.as_ref().map(|a| a.as_slice()).transpose()?;
+    let (logical_bytes, logical_segments) = py
+        .detach(|| csr::logical_totals(&sizes, indices))
+        .map_err(PyCoreError)?;
+    Ok((
+        physical_bytes,
+        physical_segments,
+        logical_bytes,
+        logical_segments,
+    ))
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyPackedLayout>()?;
     m.add_function(wrap_pyfunction!(py_packed_concat, m)?)?;
+    m.add_function(wrap_pyfunction!(py_measure_segments, m)?)?;
     Ok(())
 }

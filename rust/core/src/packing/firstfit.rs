@@ -12,6 +12,7 @@ use super::{capacity_indexable, Bins, Problem};
 pub(crate) fn concatenative(p: &Problem<'_>) -> Bins {
     let n = p.lens.len();
     let mut offsets = Vec::with_capacity(n / 2 + 2);
+    let mut loads = Vec::with_capacity(n / 2 + 1);
     offsets.push(0usize);
     let mut load: i64 = 0;
     let mut mload: i64 = 0;
@@ -23,6 +24,7 @@ pub(crate) fn concatenative(p: &Problem<'_>) -> Bins {
             && count < p.max_items;
         if !fits && count > 0 {
             offsets.push(i);
+            loads.push(load);
             load = 0;
             mload = 0;
             count = 0;
@@ -33,11 +35,12 @@ pub(crate) fn concatenative(p: &Problem<'_>) -> Bins {
     }
     if count > 0 {
         offsets.push(n);
+        loads.push(load);
     }
     Bins {
         offsets,
         items: (0..n as u32).collect(),
-        loads: None,
+        loads: Some(loads),
     }
 }
 

@@ -470,7 +470,7 @@ pub fn pack(lengths: &[i64], media: Option<&[i64]>, opts: &PackOptions<'_>) -> C
         }
     };
     let bins = adjust::adjust_bins(bins, opts.min_bins, opts.bins_multiple_of)?;
-    finish(&bins, lens, med, map.as_deref(), oversize)
+    finish(bins, lens, med, map.as_deref(), oversize)
 }
 
 fn check_permutation(order: Option<&[i64]>, n: usize) -> CoreResult<()> {
@@ -509,7 +509,7 @@ fn check_permutation(order: Option<&[i64]>, n: usize) -> CoreResult<()> {
 
 /// Turns dense bins into the public `Packing` (original indices, loads, sums).
 fn finish(
-    bins: &Bins,
+    bins: Bins,
     lens: &[i64],
     media: Option<&[i64]>,
     map: Option<&[u32]>,
@@ -518,8 +518,8 @@ fn finish(
     let nb = bins.num_bins();
     let overflow = || CoreError::IndexOverflow { what: "bin loads" };
     let mut bin_media = Vec::with_capacity(if media.is_some() { nb } else { 0 });
-    let bin_loads = match &bins.loads {
-        Some(loads) if loads.len() == nb => loads.clone(),
+    let bin_loads = match bins.loads {
+        Some(loads) if loads.len() == nb => loads,
         _ => {
             let mut loads = Vec::with_capacity(nb);
             for w in bins.offsets.windows(2) {
