@@ -81,6 +81,26 @@ print("mmpack", mmpack.__version__, "wheel OK:", mmpack.__file__)
 endef
 export WHEEL_SMOKE
 
+# --- fuzz ---
+# cargo-fuzz needs nightly features; RUSTC_BOOTSTRAP=1 lets the stable toolchain build them.
+# No sanitizer: the core forbids unsafe code, so ASan would only slow the search down; overflow
+# checks and debug assertions stay on (cargo-fuzz's default). Not part of `make test`: the
+# saved inputs replay in rust/core/tests/fuzz_regressions.rs.
+FUZZ_SECONDS ?= 60
+FUZZ_TARGETS ?= csr pack mask batch gather
+.PHONY: fuzz
+fuzz:  ## run each cargo-fuzz target for FUZZ_SECONDS seconds, one after the other
+	@command -v cargo-fuzz >/dev/null || cargo install cargo-fuzz --locked
+	@mkdir -p fuzz/target
+	@for t in $(FUZZ_TARGETS); do \
+	  echo "== fuzz $$t ($(FUZZ_SECONDS)s)"; \
+	  RUSTC_BOOTSTRAP=1 cargo fuzz run --sanitizer none $$t -- \
+	    -max_total_time=$(FUZZ_SECONDS) -print_final_stats=1 > fuzz/target/fuzz-$$t.log 2>&1; \
+	  rc=$$?; grep -E '^(Done|stat::number_of_executed_units|stat::peak_rss_mb)' fuzz/target/fuzz-$$t.log; \
+	  if [ $$rc -ne 0 ]; then tail -40 fuzz/target/fuzz-$$t.log; exit $$rc; fi; \
+	done
+# --- end fuzz ---
+
 .PHONY: fmt
 fmt: venv
 	cargo fmt --all

@@ -9,6 +9,8 @@ Checks, for a deduplicated G=16 GRPO batch and its expanded legacy twin:
   int64 media; ``pad_to_max_shape``; a negative ``dim_to_pack``; ``out=`` on the device);
 * the deduplicated batch moves exactly ``physical_nbytes()`` host-to-device (each unique segment
   once, through pinned staging), the legacy twin its logical bytes;
+* the asynchronous copy survives reuse of pinned memory and writes to the sources right after
+  ``as_tensor`` returns;
 * ``PackedBatch``-style media moves (``move_segments``) keep sharing on the device.
 
 Prints a markdown table (H2D bytes, median ms) and exits non-zero on any mismatch.
@@ -168,6 +170,26 @@ def main() -> int:
     rows.append(("as_tensor(cuda) int64 grid", 0, 0, 0.0, ok))
     if not ok:
         failures.append("int64 grid")
+
+    # The copy from the pinned staging buffer is asynchronous: hold the stream with a sleep
+    # kernel so it is still queued when as_tensor returns, then reuse pinned memory and
+    # overwrite the sources. The result must not change (the staging block stays reserved
+    # until the copy ran; the sources were copied into it before the call returned).
+    value = _batch(args.prompts, torch.float32, seed=3)
+    expected = value.as_tensor()
+    sources = list(value.tensors)
+    torch.cuda.synchronize()
+    torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU time ahead of the copy
+    got = _fresh(value).as_tensor(device)
+    for _ in range(4):
+        torch.empty(expected.numel(), pin_memory=True).fill_(float("nan"))
+    for seg in sources:
+        seg.fill_(float("nan"))
+    torch.cuda.synchronize()
+    ok = _same(got, expected)
+    rows.append(("as_tensor(cuda) survives staging reuse", 0, 0, 0.0, ok))
+    if not ok:
+        failures.append("staging buffer reused or sources read after as_tensor returned")
 
     # a device move keeps sharing: one unique segment, many slots
     a = torch.randn(128, 1176)

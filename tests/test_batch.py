@@ -18,6 +18,7 @@ from mmpack.errors import (
     BatchMediaError,
     BatchOptionError,
     EmptySampleError,
+    IndexOverflowError,
     InvalidTokenError,
     LossMaskError,
     MessageSpanError,
@@ -180,6 +181,11 @@ def test_wrong_mask_length_and_values() -> None:
     s = EncodedSample("v", [1, 2, 3], loss_mask=np.array([0, 2, 1]))
     with pytest.raises(LossMaskError, match="sample 'v' has value 2 at position 1"):
         pack_samples([s], loss_mask_mode="precomputed")
+    # a torch bool tensor holding the byte 2 (a view) must not reach the packed mask as it is
+    odd = torch.tensor([0, 2, 1], dtype=torch.uint8).view(torch.bool)
+    s = EncodedSample("b", [1, 2, 3], loss_mask=odd)
+    with pytest.raises(LossMaskError, match="sample 'b' has value 2 at position 1"):
+        pack_samples([s], loss_mask_mode="precomputed")
 
 
 def test_mismatched_message_lengths_vs_token_count() -> None:
@@ -212,6 +218,38 @@ def test_negative_token_and_bad_options() -> None:
             [EncodedSample("2d", [[1, 2]], loss_mask=[1, 1])], loss_mask_mode="precomputed"
         )
     assert issubclass(BatchOptionError, MmpackError)
+
+
+def test_options_and_fields_beyond_int64_are_typed_errors() -> None:
+    good = [EncodedSample("g", [1], loss_mask=[1])]
+    for name in ("pad_token_id", "ignore_index", "pad_to_multiple_of", "cp_size"):
+        for huge in (2**63, -(2**63) - 1):
+            with pytest.raises(BatchOptionError, match=f"invalid {name}: .*<= 2\\*\\*63 - 1"):
+                pack_samples(good, loss_mask_mode="precomputed", **{name: huge})
+    # a message length beyond int64 is named, not an OverflowError from the native call
+    s = EncodedSample("m", [1, 2], message_lengths=[2**64, 1], message_roles=["user", "user"])
+    with pytest.raises(IndexOverflowError, match="message_lengths of sample 'm' holds a value"):
+        pack_samples([s])
+    big = EncodedSample("t", np.array([2**63], np.uint64), loss_mask=[1])
+    with pytest.raises(IndexOverflowError, match="token_ids of sample 't'"):
+        pack_samples([big], loss_mask_mode="precomputed")
+
+
+def test_items_that_are_not_samples_and_meta_tensors_are_type_errors() -> None:
+    good = EncodedSample("g", [1], loss_mask=[1])
+    for bad in (None, {"token_ids": [1]}, "s"):
+        with pytest.raises(TypeError, match=r"samples\[1\] is a \w+, not an EncodedSample"):
+            pack_samples([good, bad], loss_mask_mode="precomputed")  # type: ignore[list-item]
+    meta = torch.ones(2, dtype=torch.int64, device="meta")
+    with pytest.raises(TypeError, match="token_ids of sample 'm' is a meta tensor"):
+        pack_samples([EncodedSample("m", meta, loss_mask=[1, 1])], loss_mask_mode="precomputed")
+    with pytest.raises(TypeError, match="loss mask of sample 'm' is a meta tensor"):
+        pack_samples([EncodedSample("m", [1, 2], loss_mask=meta)], loss_mask_mode="precomputed")
+    for roles in ("assistant", ["assistant", 1]):  # never stringified into a role name
+        with pytest.raises(TypeError, match="train_roles must"):
+            pack_samples([good], loss_mask_mode="precomputed", train_roles=roles)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="message_lengths of sample 'm' is a meta tensor"):
+        pack_samples([EncodedSample("m", [1, 2], message_lengths=meta, message_roles=["user"] * 2)])
 
 
 @pytest.mark.parametrize("cls", [PackedTensor, RefPackedTensor], ids=["mmpack", "reference"])

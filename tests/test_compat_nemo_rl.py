@@ -25,7 +25,7 @@ import mmpack
 import pytest
 import torch
 from mmpack.compat import nemo_rl as compat
-from mmpack.errors import MmpackError, UnsafePickleError
+from mmpack.errors import CorruptPickleError, MmpackError, UnsafePickleError
 
 MODULE = "nemo_rl.data.multimodal_utils"
 
@@ -328,7 +328,139 @@ def test_install_patches_importable_nemo_rl_and_its_importers(nemo: FakeNemoRL) 
 
 
 def test_malformed_inputs_raise_unpickling_errors() -> None:
-    with pytest.raises(pickle.UnpicklingError, match=r"torch\.save archive"):
+    with pytest.raises(CorruptPickleError, match=r"torch\.save archive"):
         compat.loads(b"PK\x03\x04 definitely not a zip file")
-    with pytest.raises(pickle.UnpicklingError):
+    with pytest.raises(CorruptPickleError):
         compat.loads(b"\x80\x05garbage")
+
+
+@pytest.mark.parametrize(
+    ("data", "cause"),
+    [
+        (b"", EOFError),  # pickle: "Ran out of input"
+        (b"\x80\x04\x8d" + b"\xff" * 8, OverflowError),  # BINUNICODE8 length beyond sys.maxsize
+        (b"\x80\x04\x8e" + (2**62).to_bytes(8, "little"), MemoryError),  # BINBYTES8: 4 EiB
+        (b"\x80\x02}q\x00X\x01\x00\x00\x00aq\x01s.", pickle.UnpicklingError),  # stack underflow
+    ],
+    ids=["empty", "length beyond maxsize", "length beyond memory", "stack underflow"],
+)
+def test_corrupt_bytes_raise_a_typed_error_with_the_cause_chained(
+    data: bytes, cause: type[BaseException]
+) -> None:
+    with pytest.raises(CorruptPickleError, match="not a readable pickle") as info:
+        compat.loads(data)
+    assert isinstance(info.value, MmpackError) and isinstance(info.value, pickle.UnpicklingError)
+    assert type(info.value.__cause__) is cause
+
+
+@pytest.mark.parametrize("data", [None, "text", 5, [1, 2]], ids=repr)
+def test_loads_rejects_non_bytes(data: Any) -> None:
+    with pytest.raises(TypeError, match="loads expects bytes"):
+        compat.loads(data)
+
+
+def _tensor_record(size: Any, stride: Any, offset: Any, storage_bytes: int = 16) -> bytes:
+    """A ``torch.save``-style archive with one float32 tensor record over ``storage_bytes``."""
+    import zipfile
+
+    import torch._utils
+
+    marker = object()
+
+    class Pickler(pickle.Pickler):
+        def persistent_id(self, obj: Any) -> Any:
+            if obj is marker:
+                return ("storage", torch.FloatStorage, "0", "cpu", storage_bytes // 4)
+            return None
+
+    class Rebuild:
+        def __reduce__(self) -> tuple[Any, ...]:
+            args = (marker, offset, size, stride, False, collections.OrderedDict())
+            return (torch._utils._rebuild_tensor_v2, args)
+
+    body = io.BytesIO()
+    Pickler(body, protocol=2).dump(Rebuild())
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as z:
+        z.writestr("archive/data.pkl", body.getvalue())
+        z.writestr("archive/byteorder", sys.byteorder)
+        z.writestr("archive/data/0", bytes(range(storage_bytes)))
+    return out.getvalue()
+
+
+def test_tensor_records_inside_their_storage_load() -> None:
+    whole = compat.loads(_tensor_record((4,), (1,), 0))
+    assert whole.shape == (4,) and whole.untyped_storage().nbytes() == 16
+    # a strided view whose last element is the storage's last: offset 1 + (2 - 1) * 2 = 3
+    view = compat.loads(_tensor_record((2,), (2,), 1))
+    assert torch.equal(view, whole[1::2])
+    assert compat.loads(_tensor_record((0, 3), (3, 1), 4)).shape == (0, 3)  # empty, at the end
+
+
+@pytest.mark.parametrize(
+    ("size", "stride", "offset", "match"),
+    [
+        ((5,), (1,), 0, "needs 5 elements but its storage holds 4"),
+        ((2, 2), (2, 1), 1, "needs 5 elements"),
+        ((0,), (1,), 5, "needs 5 elements"),
+        ((2**40,), (1,), 0, "storage holds 4"),
+        ((4,), (-1,), 0, "non-negative int"),
+        ((4,), (1,), -1, "non-negative int"),
+        ((4.0,), (1,), 0, "non-negative int"),
+        ((4,), (1, 1), 0, "non-negative int"),
+        ("4", (1,), 0, "non-negative int"),
+    ],
+)
+def test_tensor_records_larger_than_their_storage_are_refused(
+    size: Any, stride: Any, offset: Any, match: str
+) -> None:
+    """torch would grow the storage (uninitialized memory as the tensor's contents)."""
+    with pytest.raises(UnsafePickleError, match=match):
+        compat.loads(_tensor_record(size, stride, offset))
+
+
+def test_nested_load_from_bytes_must_give_a_storage() -> None:
+    """``torch.storage._load_from_bytes`` stands for a storage; a nested archive holding a
+    tensor (or anything else torch's weights_only loader admits) is refused."""
+    import torch.storage
+
+    class Nested:
+        def __reduce__(self) -> tuple[Any, ...]:
+            return (torch.storage._load_from_bytes, (torch_save_bytes(torch.ones(2)),))
+
+    with pytest.raises(UnsafePickleError, match="must give a storage, got Tensor"):
+        compat.loads(pickle.dumps(Nested(), protocol=2))
+
+
+def _nested_storage(declared_numel: int) -> bytes:
+    """A pickled float32 storage of 2 elements whose legacy record declares another size."""
+    import warnings
+
+    import torch.storage
+
+    buf = io.BytesIO()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # TypedStorage is deprecated
+        torch.save(torch.ones(2).storage(), buf, _use_new_zipfile_serialization=False)
+    good = b"X\x03\x00\x00\x00cpuq\x03K\x02N"  # location 'cpu', numel 2, no view
+    assert buf.getvalue().count(good) == 1
+    nested = buf.getvalue().replace(
+        good, good.replace(b"K\x02", b"J" + declared_numel.to_bytes(4, "little"))
+    )
+
+    class Nested:
+        def __reduce__(self) -> tuple[Any, ...]:
+            return (torch.storage._load_from_bytes, (nested,))
+
+    return pickle.dumps(Nested(), protocol=2)
+
+
+def test_nested_legacy_storage_must_carry_the_bytes_it_declares() -> None:
+    """torch's legacy loader would allocate the declared size before reading anything."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert compat.loads(_nested_storage(2)).tolist() == [1.0, 1.0]
+        with pytest.raises(UnsafePickleError, match="declare 8000000008 bytes but 16 follow"):
+            compat.loads(_nested_storage(2 * 10**9))

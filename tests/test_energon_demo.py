@@ -55,6 +55,11 @@ def test_demo_runs_and_reports(tmp_path: Path, capsys: pytest.CaptureFixture[str
 def test_demo_rejects_bad_options(capsys: pytest.CaptureFixture[str]) -> None:
     assert demo.main(["--samples", "3"]) == 2
     assert "--samples >= 10" in capsys.readouterr().err
+    assert demo.main(["--algorithm", "nope"]) == 2
+    assert "unknown algorithm 'nope'" in capsys.readouterr().err
+    # the reference run needs one of NeMo-RL's algorithms: refused before anything runs
+    assert demo.main(["--algorithm", "best_fit_decreasing"]) == 2
+    assert "pass --no-reference" in capsys.readouterr().err
 
 
 def test_bench_energon_quick_smoke(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 from mmpack import masks
 from mmpack._reference import masks as ref
 from mmpack.errors import (
+    IndexOverflowError,
     LossMaskError,
     MessageSpanError,
     MmpackError,
@@ -36,6 +37,9 @@ def test_from_fragments() -> None:
     assert masks.from_fragments([2, 0, 3], [True, True, False]).tolist() == [1, 1, 0, 0, 0]
     assert masks.from_fragments(np.array([1, 2]), np.array([0, 1])).tolist() == [0, 1, 1]
     assert masks.from_fragments([], []).tolist() == []
+    odd = np.array([1, 2], dtype=np.uint8).view(np.bool_)  # a "bool" holding the byte 2
+    with pytest.raises(LossMaskError, match="must be booleans or 0/1"):
+        masks.from_fragments([1, 1], odd)
 
 
 def test_mismatched_message_lengths_vs_token_count() -> None:
@@ -93,6 +97,9 @@ def test_validate_wrong_length_names_sample_and_rule() -> None:
         (np.array([0.0, 0.5, 1.0, 1.0]), "0.5", 1),
         (torch.tensor([0, 1, 1, 256], dtype=torch.int32), "256", 3),
         (np.array([1, 0, 0, 70000], dtype=np.uint32), "70000", 3),
+        # a bool array can hold other bytes (through a view): read as bytes, not as True
+        (np.array([0, 1, 2, 1], dtype=np.uint8).view(np.bool_), "2", 2),
+        (torch.tensor([0, 1, 1, 7], dtype=torch.uint8).view(torch.bool), "7", 3),
     ],
 )
 def test_validate_values_outside_binary(mask: object, value: str, position: int) -> None:
@@ -123,6 +130,37 @@ def test_negative_token_count_is_a_typed_error() -> None:
         masks.validate([1], -1, sample_id="q")
     with pytest.raises(LossMaskError, match="must be >= 0"):
         masks.from_roles([1], ["user"], num_tokens=-2)
+
+
+@pytest.mark.parametrize("bad", ["3", b"3", 3.0, 3.9, float("inf"), True])
+def test_token_count_must_be_an_int(bad: object) -> None:
+    """Nothing is parsed or truncated: "3" or 3.9 is not a count of 3."""
+    with pytest.raises(TypeError, match="num_tokens of sample 'q' must be an int"):
+        masks.validate([1, 0, 1], bad, sample_id="q")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="num_tokens"):
+        masks.from_fragments([3], [True], num_tokens=bad)  # type: ignore[arg-type]
+    assert masks.from_roles([3], ["user"], num_tokens=np.int32(3)).tolist() == [0, 0, 0]
+    with pytest.raises(TypeError, match="got NoneType"):  # required by validate
+        masks.validate([1], None)  # type: ignore[arg-type]
+
+
+def test_counts_and_lengths_beyond_int64_are_typed_errors() -> None:
+    with pytest.raises(LossMaskError, match=r"<= 2\*\*63 - 1, got 18446744073709551616"):
+        masks.validate([1], 2**64, sample_id="q")
+    # never wrapped into a negative (or small) value: uint64 arrays and huge Python ints
+    for lengths in (np.array([2**64 - 1], np.uint64), [2**63, 1], [2**64, 1], [-(2**63) - 1]):
+        with pytest.raises(IndexOverflowError, match="message_lengths of sample 'q' holds a"):
+            masks.from_roles(lengths, ["user"] * len(lengths), sample_id="q")
+    with pytest.raises(TypeError, match="must be integers, got dtype float64"):
+        masks.from_roles([1.0, 2.0], ["user", "user"])
+
+
+def test_meta_tensors_are_a_type_error() -> None:
+    meta = torch.ones(3, dtype=torch.int64, device="meta")
+    with pytest.raises(TypeError, match="loss mask of sample 'q' is a meta tensor"):
+        masks.validate(meta, 3, sample_id="q")
+    with pytest.raises(TypeError, match="token_ids of sample 'q' is a meta tensor"):
+        masks.turn_spans(meta, [1], sample_id="q")
 
 
 def test_validate_rejects_2d_and_non_numeric() -> None:

@@ -21,6 +21,7 @@ from mmpack.errors import (
     MmpackError,
     OutBufferError,
     PinMemoryUnavailableError,
+    SegmentMismatchError,
 )
 
 DTYPES = [
@@ -300,12 +301,32 @@ def test_errors_match_reference() -> None:
         _ours([torch.ones(2, 2)], [0], 3, True)
     with pytest.raises(IndexError, match="dim_to_pack=-3 is invalid"):
         _ours([torch.ones(2, 2)], [0], -3, True)
-    with pytest.raises(RuntimeError, match="Sizes of tensors must match"):
+    with pytest.raises(SegmentMismatchError, match=r"shapes \(2, 2\) and \(2, 3\)"):
         _ours([torch.ones(2, 2), torch.ones(2, 3)], [0, 1], 0, False)
     with pytest.raises(IndexError, match="Dimension out of range"):
         _ours([torch.ones(2, 2)], [0], 2, False)
-    with pytest.raises(RuntimeError, match="zero-dimensional"):
+    with pytest.raises(SegmentMismatchError, match="rank-0 tensors cannot be concatenated"):
         _ours([torch.tensor(1.0)], [0, 0], 0, False)
+
+
+def test_segments_on_different_devices_raise_segment_mismatch() -> None:
+    segs: list[Any] = [torch.ones(1, 2), torch.ones(1, 2, device="meta")]
+    with pytest.raises(SegmentMismatchError, match=r"different devices \['cpu', 'meta'\]") as info:
+        _ours(segs, [0, 1], 0, False)
+    assert isinstance(info.value, RuntimeError)  # what NeMo-RL's torch.cat raises there
+    with pytest.raises(SegmentMismatchError, match="different devices"):
+        _ours(segs, [0, 1], 0, True)  # with padding too
+    # moving a meta segment to a real device: no data to move
+    with pytest.raises(SegmentMismatchError, match="meta device has no data to move to cpu"):
+        _ours(segs, [0, 1], 0, False, device="cpu")
+
+
+def test_rank_mismatch_without_padding_raises_segment_mismatch() -> None:
+    with pytest.raises(SegmentMismatchError, match=r"ranks \[1, 2\]"):
+        _ours([torch.ones(1, 2), torch.ones(2)], [0, 1], 0, False)
+    # torch.cat skips 1-D empty tensors (legacy rule); so does the check
+    got = _ours([torch.ones(1, 2), torch.zeros(0)], [0, 1], 0, False)
+    assert got is not None and torch.equal(got, torch.ones(1, 2))
 
 
 def test_autograd_and_mixed_dtypes_fall_back(monkeypatch: pytest.MonkeyPatch) -> None:

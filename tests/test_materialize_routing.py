@@ -120,13 +120,15 @@ def test_packed_batch_to_moves_media_through_the_device_feed() -> None:
     batch = pack_samples(samples, loss_mask_mode="precomputed")
     pixels = batch.media["pixel_values"]
     assert len(pixels.tensors) == 1  # three samples, one physical image
+    token_bytes = sum(getattr(batch, name).nbytes for name in batch._TENSOR_FIELDS)
     counters = _materialize.transfer_counters()
     before = counters.total_bytes
     assert batch.to("meta") is batch
     assert batch.input_ids.device.type == "meta"
     moved = batch.media["pixel_values"]
     assert moved.tensors[0].device.type == "meta"
-    assert counters.total_bytes - before == image.nbytes  # the image crossed once
+    # the image crossed once; the token tensors cross through the same feed
+    assert counters.total_bytes - before == image.nbytes + token_bytes
     assert moved.as_tensor().shape == (12, 6)
 
 

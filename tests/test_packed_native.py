@@ -373,6 +373,61 @@ def test_unpickle_rejects_corrupt_layout() -> None:
         P.__new__(P).__setstate__(state)
 
 
+def _mmpack_state(v: P) -> dict[str, Any]:
+    _, _args, state = v.__reduce_ex__(2)
+    return dict(state)
+
+
+def _corrupt_states() -> dict[str, Any]:
+    base = _mmpack_state(P([t(1, 2), t(3, 4)], 0, _row_offsets=[0, 2], _segment_indices=[0, 1]))
+    fmt, codes, pos, groups, others = base["segments"]
+    group_state = groups[0].__reduce_ex__(2)[2]
+    gfmt, dtypes, ranks, dims, buffers = group_state["group"]
+    key = "__mmpack_packed_tensor__"
+    i64 = lambda *v: np.asarray(v, dtype="<i8").tobytes()  # noqa: E731
+    return {
+        "a list": [1, 2],
+        "missing key": {k: v for k, v in base.items() if k != "dim_to_pack"},
+        "renamed state key": {("x" + k if k == key else k): v for k, v in base.items()},
+        "bad dim_to_pack": {**base, "dim_to_pack": "0"},
+        "bad pad_to_max_shape": {**base, "pad_to_max_shape": None},
+        "segment codes": {**base, "segments": (fmt, i64(-7, 0), pos, groups, others)},
+        "segment tables of different lengths": {
+            **base,
+            "segments": (fmt, codes, i64(0), groups, others),
+        },
+        "segment position": {**base, "segments": (fmt, codes, i64(0, 5), groups, others)},
+        "extra overriding a field": {**base, "extra": {"tensors": "abc"}},
+        "group shapes": {key: 1, "group": (gfmt, dtypes, ranks, i64(1, 3, 1, 2), buffers)},
+        "group ranks": {key: 1, "group": (gfmt, dtypes, i64(-1, 5), dims, buffers)},
+        "group dtype slot": {key: 1, "group": (gfmt, i64(0, 3), ranks, dims, buffers)},
+        "nemo: no tensors": {"dim_to_pack": 0, "pad_to_max_shape": False},
+        "nemo: tensors a str": {"tensors": "abc", "dim_to_pack": 0, "pad_to_max_shape": False},
+        "nemo: foreign _layout": {
+            "tensors": [t(1)],
+            "dim_to_pack": 0,
+            "pad_to_max_shape": False,
+            "_layout": "x",
+        },
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_corrupt_states()))
+def test_unpickle_rejects_corrupt_states_with_layout_error(name: str) -> None:
+    """mmpack's restore code raises ``LayoutError`` for every inconsistent state it is given
+    (never KeyError / RuntimeError, never an object without ``tensors``)."""
+    state = _corrupt_states()[name]
+    with pytest.raises(LayoutError, match="corrupt PackedTensor pickle"):
+        P.__new__(P).__setstate__(state)
+
+
+def test_unpickle_of_the_uncorrupted_state_still_works() -> None:
+    v = P([t(1, 2), t(3, 4)], 0, _row_offsets=[0, 2], _segment_indices=[0, 1])
+    obj = P.__new__(P)
+    obj.__setstate__(_mmpack_state(v))
+    assert torch.equal(obj.as_tensor(), v.as_tensor())  # type: ignore[arg-type]
+
+
 # --------------------------------------------------------------------------------- deepcopy
 
 
@@ -387,6 +442,9 @@ def test_deepcopy_dedup_shares_tensors_and_handle() -> None:
     assert c._segment_provenance == v._segment_provenance
     c.tensors.append(t(3))  # the lists are independent
     assert len(v.tensors) == 2
+    assert v in memo[id(memo)]  # copy.deepcopy's keep-alive list still holds the original
+    pair = copy.deepcopy([v, v])
+    assert pair[0] is pair[1] and pair[0] is not v
 
 
 def test_deepcopy_without_provenance_copies_tensors() -> None:
@@ -528,6 +586,50 @@ def test_slice_bad_indices_never_panic() -> None:
     assert v.slice(torch.tensor([1, 0])).tensors == v.tensors[::-1]
     assert v.slice(np.array([True, False])).tensors == [v.tensors[1], v.tensors[0]]  # type: ignore[arg-type]
     assert len(v.slice([])) == 0
+
+
+def test_count_arguments_beyond_int64_raise_typed_errors() -> None:
+    v = dedup(t(1), t(2))
+    legacy = P([t(1)], 0)
+    for value in (2**63, -(2**63) - 1, 10**30):
+        with pytest.raises(IndexOverflowError, match="repeats must fit in int64"):
+            v.repeat_interleave(value)
+        with pytest.raises(ShardError, match="num_shards must fit in int64"):
+            v.shard(value)
+        with pytest.raises(ShardError, match="num_shards must fit in int64"):
+            legacy.shard(value)
+        with pytest.raises(LayoutError, match="num_rows must fit in int64"):
+            P.empty_rows_like(v, value)
+    with pytest.raises(TypeError, match="num_rows must be an int, got float"):
+        P.empty_rows_like(v, 1.5)  # type: ignore[arg-type]
+    # in int64 but beyond memory: refused before anything is built
+    for other in (v, legacy):
+        with pytest.raises(IndexOverflowError, match="cannot be allocated"):
+            P.empty_rows_like(other, 2**62)
+
+
+def test_meta_tensors_as_row_selections_raise_type_error() -> None:
+    meta = torch.tensor([0], device="meta")
+    for v in (dedup(t(1)), P([t(1)], 0)):
+        with pytest.raises(TypeError, match="indices must hold data, got a tensor on the meta"):
+            v.slice(meta)
+    with pytest.raises(TypeError, match="_row_offsets must hold data"):
+        P([t(1)], 0, _row_offsets=torch.tensor([0, 1], device="meta"), _segment_indices=[0])
+
+
+@pytest.mark.parametrize("op", ["concat", "merge_segments", "flattened_concat"])
+def test_concat_of_non_packed_items_raises_type_error_naming_the_item(op: str) -> None:
+    v = dedup(t(1))
+    for bad, tp in ((None, "NoneType"), ("x", "str"), (3, "int")):
+        with pytest.raises(
+            TypeError,
+            match=rf"PackedTensor\.{op}: from_packed_tensors\[1\] must be a PackedTensor, got {tp}",
+        ):
+            getattr(P, op)([v, bad])
+    with pytest.raises(
+        TypeError, match=r"from_packed_tensors\[0\] must be a PackedTensor, got str"
+    ):
+        getattr(P, op)("ab")
 
 
 # --------------------------------------------------------------------- setters and raw state

@@ -8,7 +8,7 @@ import random
 
 import numpy as np
 import pytest
-from mmpack import _native, errors
+from mmpack import errors
 from mmpack._reference import packing as ref
 from mmpack.packing import (
     ALGORITHMS,
@@ -187,6 +187,24 @@ def test_spec_constraint_errors(kwargs: dict[str, int], message: str) -> None:
         get_packer("first_fit_decreasing", 100, **kwargs)
 
 
+@pytest.mark.parametrize(
+    "kwargs",
+    [{"min_bin_count": 2**64}, {"min_bin_count": "3"}, {"bin_count_multiple": 2**63}],
+    ids=repr,
+)
+def test_spec_constraint_types_and_int64(kwargs: dict[str, object]) -> None:
+    name = next(iter(kwargs))
+    with pytest.raises(errors.PackingArgumentError, match=f"invalid packing argument {name}"):
+        get_packer("first_fit_decreasing", 100, **kwargs)  # type: ignore[arg-type]
+
+
+def test_bin_capacity_is_checked_when_packing() -> None:
+    for bad, message in ((0, "bin_capacity must be positive"), (2**63, "<= 2"), (1.5, "integer")):
+        packer = get_packer("first_fit_decreasing", bad)  # type: ignore[arg-type]
+        with pytest.raises(errors.PackingArgumentError, match=message):
+            packer.pack([1])
+
+
 def test_get_packer_names_and_errors() -> None:
     for algorithm in PackingAlgorithm:
         packer = get_packer(algorithm, 100)
@@ -295,8 +313,6 @@ def test_bins_leaves_the_garbage_collector_as_it_was() -> None:
             assert gc.isenabled() == enabled
     finally:
         (gc.enable if was_enabled else gc.disable)()
-    with pytest.raises(errors.PackingArgumentError, match=r"bad bin range 2\.\.1"):
-        _native.csr_to_lists(np.array([0, 2, 1], dtype=np.int64), p.item_indices)
 
 
 def test_pack_is_zero_copy_for_int64_and_converts_other_ints() -> None:
@@ -405,6 +421,8 @@ def test_error_non_integer_lengths(lengths: object) -> None:
         ({"capacity": 0}, "capacity: must be >= 1"),
         ({"capacity": 2.5}, "capacity: must be an integer"),
         ({"capacity": True}, "capacity: must be an integer"),
+        ({"capacity": 2**63}, r"capacity: must be <= 2\*\*63 - 1, got 9223372036854775808"),
+        ({"max_items_per_bin": 2**64}, r"max_items_per_bin: must be <= 2\*\*63 - 1"),
         ({"algorithm": "nope"}, "unknown algorithm 'nope'"),
         ({"max_items_per_bin": 0}, "max_items_per_bin: must be >= 1"),
         ({"min_bins": -1}, "min_bins: must be >= 0"),
@@ -488,6 +506,21 @@ def test_assign_to_ranks_uneven_and_errors() -> None:
         assign_to_ranks(p, 2, cost="flops")
     truncated = pack([5, 50], 10, on_oversize="truncate")
     assert assign_to_ranks(truncated, 1).rank_costs.tolist() == [15]
+    with pytest.raises(TypeError, match="needs a Packing"):
+        assign_to_ranks(None, 2)  # type: ignore[arg-type]
+
+
+def test_assign_to_ranks_more_ranks_than_bins() -> None:
+    """Empty ranks are fine; a rank count whose arrays cannot exist is a typed error."""
+    p = pack([5, 3, 2], 5)  # bins [5], [3, 2]
+    a = assign_to_ranks(p, 5)
+    assert a.ranks() == [[0], [1], [], [], []]
+    assert a.rank_costs.tolist() == [5, 5, 0, 0, 0]
+    for huge in (2**62, 2**63 - 1):  # in int64, but the per-rank arrays overflow memory
+        with pytest.raises(errors.PackingArgumentError, match=r"num_ranks.*do not fit in memory"):
+            assign_to_ranks(p, huge)
+    with pytest.raises(errors.PackingArgumentError, match=r"num_ranks: must be <= 2\*\*63 - 1"):
+        assign_to_ranks(p, 2**63)
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)

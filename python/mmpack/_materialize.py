@@ -17,7 +17,9 @@ Two paths, one result:
 Anything the native path does not cover exactly (tensors that need autograd, mixed dtypes or
 devices, tensor subclasses, sparse or quantized layouts, rank-0 tensors, shape mismatches, an
 invalid ``dim_to_pack``) goes through the plain torch path, which is NeMo-RL's own algorithm, so
-results and errors stay NeMo-RL's.
+results and errors stay NeMo-RL's, except that segments ``torch.cat`` cannot join (different
+devices, ranks or non-packed sizes) raise :class:`~mmpack.errors.SegmentMismatchError` naming
+them, a ``RuntimeError`` like torch's.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from mmpack import _native
-from mmpack.errors import OutBufferError, PinMemoryUnavailableError
+from mmpack.errors import OutBufferError, PinMemoryUnavailableError, SegmentMismatchError
 
 __all__ = [
     "TransferCounters",
@@ -166,6 +168,10 @@ def move_segments(
             moved[id(t)] = None  # filled below
             continue
         if isinstance(t, torch.Tensor) and t.device != target:
+            if t.is_meta:  # torch: NotImplementedError("Cannot copy out of meta tensor")
+                raise SegmentMismatchError(
+                    f"a segment on the meta device has no data to move to {target}"
+                )
             direct_copies += 1
             direct_bytes += t.numel() * t.element_size()
         moved[id(t)] = t.to(target, non_blocking=nb)
@@ -451,22 +457,32 @@ def _torch_tensor_path(
 ) -> torch.Tensor:
     """Segments the native gather does not take (on a CUDA device, needing autograd, mixed
     dtypes, ...): NeMo-RL's checks, each physical segment padded once, then one ``torch.cat``
-    of the logical list; on a device this expands the rows there."""
+    of the logical list; on a device this expands the rows there. When ``torch.cat`` refuses
+    segments on different devices or of mismatched shapes, the error is
+    :class:`~mmpack.errors.SegmentMismatchError` naming them (diagnosed only then: checking
+    every segment first would cost more than the concatenation)."""
     if pad_to_max_shape:
         segs = _padded(segs, dim_to_pack)
     logical = [segs[j] for j in src_order.tolist()]
-    if out is not None:
-        expected = _cat_shape(segs, src_order, dim_to_pack)
-        if expected is not None and _same_device(segs):
-            dtype = segs[0].dtype
-            for t in segs[1:]:
-                dtype = torch.promote_types(dtype, t.dtype)
-            _check_out(out, expected, dtype, segs[0].device)
-            if segs[0].is_cpu:
-                _check_no_overlap(out, segs)
-            torch.cat(logical, dim=dim_to_pack, out=out)
-            return out
-    return _finish_fallback(torch.cat(logical, dim=dim_to_pack).to(device), out, pin_memory)
+    try:
+        if out is not None:
+            expected = _cat_shape(segs, src_order, dim_to_pack)
+            if expected is not None and _same_device(segs):
+                dtype = segs[0].dtype
+                for t in segs[1:]:
+                    dtype = torch.promote_types(dtype, t.dtype)
+                _check_out(out, expected, dtype, segs[0].device)
+                if segs[0].is_cpu:
+                    _check_no_overlap(out, segs)
+                torch.cat(logical, dim=dim_to_pack, out=out)
+                return out
+        result = torch.cat(logical, dim=dim_to_pack)
+    except RuntimeError as exc:
+        mismatch = _mismatch(segs, dim_to_pack)
+        if mismatch is None:
+            raise
+        raise SegmentMismatchError(mismatch) from exc
+    return _finish_fallback(result.to(device), out, pin_memory)
 
 
 def _cat_shape(
@@ -487,3 +503,40 @@ def _cat_shape(
 def _same_device(segs: Sequence[torch.Tensor]) -> bool:
     first = segs[0].device
     return all(s.device == first for s in segs)
+
+
+def _mismatch(segs: Sequence[torch.Tensor], dim_to_pack: int) -> str | None:
+    """Why ``torch.cat`` refuses these segments, if it is one of its device or shape rules
+    (devices first; same rank; equal sizes except along ``dim_to_pack``). 1-D empty tensors
+    are skipped, as ``torch.cat`` does; an invalid ``dim_to_pack`` and nested tensors (no flat
+    shape) are left to ``torch.cat``'s own error."""
+    if not _same_device(segs):
+        devices = sorted({str(s.device) for s in segs})
+        return (
+            f"cannot concatenate segments on different devices {devices}; "
+            "pass device= to as_tensor (or call .to(device)) to move them first"
+        )
+    if any(t.is_nested for t in segs):
+        return None
+    shapes = [tuple(t.shape) for t in segs if t.shape != (0,)]
+    if not shapes:
+        return None
+    rank = len(shapes[0])
+    if rank == 0 or any(len(s) != rank for s in shapes):
+        return (
+            f"cannot concatenate segments of ranks {sorted({len(s) for s in shapes})} along "
+            f"dim_to_pack={dim_to_pack} (rank-0 tensors cannot be concatenated); "
+            "pad_to_max_shape cannot pad a rank difference either"
+        )
+    if not isinstance(dim_to_pack, int) or not -rank <= dim_to_pack < rank:
+        return None
+    pack = dim_to_pack % rank
+    first = shapes[0]
+    for s in shapes:
+        if any(a != b for d, (a, b) in enumerate(zip(s, first, strict=True)) if d != pack):
+            return (
+                f"cannot concatenate segments of shapes {first} and {s} along "
+                f"dim_to_pack={dim_to_pack}: every other dimension must match "
+                "(or set pad_to_max_shape=True)"
+            )
+    return None

@@ -32,7 +32,14 @@ import torch
 
 from mmpack import _native
 from mmpack.errors import BatchMediaError, BatchOptionError
-from mmpack.masks import as_int64, as_mask_array, sample_name
+from mmpack.masks import (
+    as_int64,
+    as_mask_array,
+    bools_as_bytes,
+    role_list,
+    sample_name,
+    tensor_numpy,
+)
 
 if TYPE_CHECKING:
     from mmpack.packed import PackedTensor
@@ -149,11 +156,15 @@ class PackedBatch:
         )
 
 
-def _check_int(name: str, value: Any, minimum: int | None = None) -> int:
+def _check_int(name: str, value: Any, minimum: int = -(2**63)) -> int:
+    """``value`` as an int in ``[minimum, 2**63 - 1]`` (the core's int64): ``TypeError`` for a
+    non-integer, ``BatchOptionError`` out of range."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if minimum is not None and value < minimum:
-        raise BatchOptionError(f"invalid {name}: must be >= {minimum}, got {value}")
+    if not minimum <= value <= 2**63 - 1:
+        raise BatchOptionError(
+            f"invalid {name}: must be >= {minimum} and <= 2**63 - 1, got {value}"
+        )
     return int(value)
 
 
@@ -213,23 +224,27 @@ def pack_samples(
     Errors (typed, naming the sample): ``EmptySampleError`` for an empty list or a sample
     without tokens; ``MissingFieldError`` when a sample lacks what its mode needs;
     ``LossMaskError`` / ``MessageSpanError`` for a bad mask or inconsistent message spans;
-    ``InvalidTokenError`` for a negative token id; ``BatchOptionError`` for options out of
-    range; ``BatchMediaError`` / ``TypeError`` for media that cannot be merged.
+    ``InvalidTokenError`` for a negative token id; ``IndexOverflowError`` for a token id or
+    message length beyond int64; ``BatchOptionError`` for options out of range (int64
+    included); ``BatchMediaError`` / ``TypeError`` for media that cannot be merged.
+    ``TypeError`` too for an item that is not an ``EncodedSample``, a field of the wrong type
+    or a ``meta`` tensor (it has no values).
     """
     if loss_mask_mode not in (None, "precomputed"):
         raise BatchOptionError(
             f"invalid loss_mask_mode: {loss_mask_mode!r} (expected None or 'precomputed')"
         )
     precomputed = loss_mask_mode == "precomputed"
-    if isinstance(train_roles, str):
-        raise TypeError("train_roles must be a sequence of role names, not a single string")
-    roles_train = [str(r) for r in train_roles]
+    roles_train = role_list(train_roles, "train_roles")
     pad_token_id = _check_int("pad_token_id", pad_token_id)
     ignore_index = _check_int("ignore_index", ignore_index)
     pad_to_multiple_of = _check_int("pad_to_multiple_of", pad_to_multiple_of, 1)
     cp_size = _check_int("cp_size", cp_size, 1)
 
     samples = list(samples)
+    for i, s in enumerate(samples):
+        if not isinstance(s, EncodedSample):
+            raise TypeError(f"samples[{i}] is a {type(s).__name__}, not an EncodedSample")
     names = [sample_name(s.sample_id) for s in samples]
     tokens = [_tokens(s) for s in samples]
     n = len(samples)
@@ -241,7 +256,7 @@ def pack_samples(
     else:
         # Short per-message lists go to Rust as they are (extracted there); a wrong type is
         # diagnosed per sample below, only when the native call rejects it.
-        lengths = [_lengths(s.message_lengths) for s in samples]
+        lengths = [_lengths(s) for s in samples]
         roles = [s.message_roles for s in samples]
     try:
         out = _native.build_pack(
@@ -257,7 +272,8 @@ def pack_samples(
             ignore_index=ignore_index,
             cp_size=cp_size,
         )
-    except TypeError:
+    except (TypeError, OverflowError):
+        # a wrong type or an int beyond int64 in a message field: name the sample
         if not precomputed:
             for s in samples:
                 _check_messages(s)
@@ -283,10 +299,7 @@ def _tokens(s: EncodedSample) -> np.ndarray:
     """``token_ids`` as a contiguous 1-D int64 array (zero-copy when it already is one)."""
     x = s.token_ids
     if type(x) is torch.Tensor:
-        try:
-            x = x.numpy()
-        except (RuntimeError, TypeError):  # needs grad, not on the CPU, or no numpy dtype
-            x = x.detach().cpu().numpy()
+        x = tensor_numpy(x, "token_ids", s.sample_id)
     if type(x) is np.ndarray and x.dtype is _I64 and x.ndim == 1 and x.flags.c_contiguous:
         return x
     return as_int64(x, "token_ids", s.sample_id)
@@ -297,12 +310,9 @@ def _mask(s: EncodedSample) -> np.ndarray | None:
     if x is None:
         return None
     if type(x) is torch.Tensor and x.dtype in _TORCH_NATIVE_MASK:
-        try:
-            x = x.numpy()
-        except (RuntimeError, TypeError):
-            x = x.detach().cpu().numpy()
+        x = tensor_numpy(x, "loss mask", s.sample_id)
         if x.ndim == 1 and x.flags.c_contiguous:
-            return x
+            return bools_as_bytes(x)
     return as_mask_array(x, s.sample_id)
 
 
@@ -311,33 +321,21 @@ _TORCH_NATIVE_MASK = frozenset(
 )
 
 
-def _lengths(x: Any) -> Any:
+def _lengths(s: EncodedSample) -> Any:
+    x = s.message_lengths
     if x is None or type(x) is list or type(x) is tuple:
         return x
-    if hasattr(x, "tolist"):  # numpy array or torch tensor
+    if type(x) is torch.Tensor:
+        x = tensor_numpy(x, "message_lengths", s.sample_id)
+    if hasattr(x, "tolist"):  # a numpy array
         return x.tolist()
     return list(x)
 
 
 def _check_messages(s: EncodedSample) -> None:
-    """Raise a ``TypeError`` naming the sample when its message fields have the wrong types."""
+    """Raise a ``TypeError`` (wrong types) or ``IndexOverflowError`` (a length beyond int64)
+    naming the sample, for what the native call refused without naming it."""
     if s.message_lengths is not None:
         as_int64(s.message_lengths, "message_lengths", s.sample_id)
     if s.message_roles is not None:
-        _roles(s.message_roles, s.sample_id)
-
-
-def _roles(roles: Any, sample_id: Hashable) -> list[str]:
-    if isinstance(roles, str):
-        raise TypeError(
-            f"message_roles of sample {sample_name(sample_id)} must be a sequence of role "
-            "names, not a single string"
-        )
-    out = list(roles)
-    for r in out:
-        if not isinstance(r, str):
-            raise TypeError(
-                f"message_roles of sample {sample_name(sample_id)} must contain strings, "
-                f"got {type(r).__name__}"
-            )
-    return out
+        role_list(s.message_roles, "message_roles", s.sample_id)

@@ -54,6 +54,13 @@ class PinMemoryUnavailableError(MmpackError, RuntimeError):
     memory for (page-locked memory needs CUDA)."""
 
 
+class SegmentMismatchError(MmpackError, RuntimeError):
+    """The segments of a ``PackedTensor`` cannot be concatenated by ``as_tensor``: they live on
+    different devices (or on ``meta`` while data is needed), have different ranks, or differ in
+    a dimension other than ``dim_to_pack`` without ``pad_to_max_shape``. The message names the
+    devices or shapes. Also a ``RuntimeError``, which NeMo-RL (``torch.cat``) raises there."""
+
+
 # --- mask / batch (pure Python) ---
 
 
@@ -105,6 +112,13 @@ class UnsafePickleError(MmpackError, pickle.UnpicklingError):
     ``pickle.UnpicklingError``, so code that catches that keeps working."""
 
 
+class CorruptPickleError(MmpackError, pickle.UnpicklingError):
+    """``mmpack.compat.nemo_rl.loads`` / ``load`` got bytes that are not a readable pickle or
+    ``torch.save`` archive (truncated, bit-flipped, inconsistent length fields or tensor
+    records); the original error is chained as ``__cause__``. Also a
+    ``pickle.UnpicklingError``."""
+
+
 # --- end compat ---
 
 __all__ = [
@@ -136,11 +150,13 @@ __all__ = [
     "GatherSizeError",
     "OutBufferError",
     "PinMemoryUnavailableError",
+    "SegmentMismatchError",
     # --- energon (pure Python) ---
     "EnergonConfigError",
     "ModalityConfigError",
     "SampleFormatError",
     "TooManySkippedError",
     # --- compat (pure Python) ---
+    "CorruptPickleError",
     "UnsafePickleError",
 ]

@@ -47,7 +47,9 @@ import torch
 from torch._utils import _flatten_dense_tensors
 
 from mmpack._native import (
+    IndexOverflowError,
     LayoutError,
+    MmpackError,
     PackedLayout,
     ShardError,
     packed_concat,
@@ -82,7 +84,7 @@ def _index_array(value: Any, name: str) -> np.ndarray | list[int]:
     """``value`` as a contiguous int64 array; a ``list`` of Python ints when some do not fit
     in int64 (the caller reports them with NeMo-RL's message)."""
     if isinstance(value, torch.Tensor):
-        value = value.detach().cpu().numpy()
+        value = _host_tensor(value, name).numpy()
     if isinstance(value, np.ndarray):
         arr = value
     else:
@@ -105,6 +107,13 @@ def _index_array(value: Any, name: str) -> np.ndarray | list[int]:
     ):
         return [int(x) for x in arr]
     raise TypeError(f"{name} must be a sequence of int, got elements of dtype {arr.dtype}")
+
+
+def _host_tensor(value: torch.Tensor, name: str) -> torch.Tensor:
+    """``value`` on the CPU, detached; a ``meta`` tensor (no data to read) is a TypeError."""
+    if value.device.type == "meta":
+        raise TypeError(f"{name} must hold data, got a tensor on the meta device")
+    return value.detach().cpu()
 
 
 def _raise_like_nemo(offsets: Sequence[int], indices: Sequence[int], n_physical: int) -> None:
@@ -162,13 +171,21 @@ def _rows_array(idx: Any, n_rows: int) -> np.ndarray:
     return rows
 
 
-def _count_arg(value: Any, name: str) -> int:
+_I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
+
+
+def _count_arg(value: Any, name: str, error: type[Exception]) -> int:
+    """``value`` as an int64 count: TypeError for a non-integer, ``error`` (a typed
+    ``MmpackError``) for an int outside int64, which the native layer cannot take."""
     if isinstance(value, bool):
         raise TypeError(f"{name} must be an int, got bool")
     try:
-        return operator.index(value)
+        k = operator.index(value)
     except TypeError:
         raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
+    if not _I64_MIN <= k <= _I64_MAX:
+        raise error(f"{name} must fit in int64, got {k}")
+    return k
 
 
 def _layout_of(value: Any) -> PackedLayout | None:
@@ -268,10 +285,19 @@ class PackedTensor:
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Restore mmpack's own pickles (see ``__reduce_ex__``) and NeMo-RL's: its current
-        six-field state and the pre-deduplication three-field state (state L)."""
+        six-field state and the pre-deduplication three-field state (state L). A state that is
+        neither (a corrupt pickle) raises ``LayoutError``."""
+        if not isinstance(state, dict):
+            raise LayoutError(f"{_CORRUPT}: the state is a {type(state).__name__}, not a dict")
         if _STATE_KEY in state:
             _restore_into(self, state)
             return
+        _check_fields(state, "NeMo-RL state")
+        lay = state.get("_layout")
+        if lay is not None and not (
+            isinstance(lay, PackedLayout) and lay.n_physical == len(state["tensors"])
+        ):
+            raise LayoutError(f"{_CORRUPT}: _layout does not fit tensors")
         d = self.__dict__
         d.update(state)
         if any(k in d for k in _RAW_KEYS) or "_layout" not in d:
@@ -474,7 +500,11 @@ class PackedTensor:
         indices and compact the physical segments in first-reference order."""
         lay = self._lay()
         if lay is None:
-            idx = indices.tolist() if isinstance(indices, torch.Tensor) else indices
+            idx = (
+                _host_tensor(indices, "indices").tolist()
+                if isinstance(indices, torch.Tensor)
+                else indices
+            )
             tensors = self.tensors
             return type(self)(
                 [tensors[i] for i in idx],
@@ -499,22 +529,24 @@ class PackedTensor:
     @classmethod
     def empty_rows_like(cls, other: PackedTensor, num_rows: int) -> PackedTensor:
         """``num_rows`` logical rows without media (NeMo-RL's three cases)."""
-        if num_rows < 0:
+        n = _count_arg(num_rows, "num_rows", LayoutError)
+        if n < 0:
             raise LayoutError("num_rows must be non-negative")
         if isinstance(other, PackedTensor):
             dedup_or_csr = other._lay() is not None
         else:
             dedup_or_csr = other.deduplication_enabled or other._row_offsets is not None
-        if dedup_or_csr or num_rows == 0:
-            n = operator.index(num_rows)
+        csr = dedup_or_csr or n == 0
+        try:
+            rows: Any = np.zeros(n + 1, dtype=np.int64) if csr else [None] * n
+        except (MemoryError, ValueError) as exc:  # numpy: "array is too big"
+            raise IndexOverflowError(f"num_rows={n} empty rows cannot be allocated") from exc
+        if csr:
             lay = PackedLayout.build(
-                0,
-                np.zeros(n + 1, dtype=np.int64),
-                _EMPTY_I64,
-                provenance_blob=b"" if dedup_or_csr else None,
+                0, rows, _EMPTY_I64, provenance_blob=b"" if dedup_or_csr else None
             )
             return cls._make([], other.dim_to_pack, other.pad_to_max_shape, lay)
-        return cls([None] * num_rows, other.dim_to_pack, pad_to_max_shape=other.pad_to_max_shape)
+        return cls(rows, other.dim_to_pack, pad_to_max_shape=other.pad_to_max_shape)
 
     @classmethod
     def concat(cls, from_packed_tensors: list[PackedTensor]) -> PackedTensor:
@@ -548,7 +580,7 @@ class PackedTensor:
         segments and provenance: GRPO's G-expansion without deep copies. The result is
         dedup-enabled (provenance is minted for a value without it; ``self`` is not changed)
         and holds the referenced segments in first-reference order, merged by provenance."""
-        k = _count_arg(repeats, "repeats")
+        k = _count_arg(repeats, "repeats", IndexOverflowError)
         lay = self._lay()
         tensors = self._tensor_list()
         if lay is None:
@@ -560,7 +592,7 @@ class PackedTensor:
         """``num_shards`` contiguous shards with equal row counts, each compacted to the
         physical segments it references (like ``slice``). Raises ``ShardError`` (a
         ``ValueError``) when the rows do not split evenly."""
-        k = _count_arg(num_shards, "num_shards")
+        k = _count_arg(num_shards, "num_shards", ShardError)
         lay = self._lay()
         cls = type(self)
         if lay is not None:
@@ -694,6 +726,7 @@ class PackedTensor:
 # operation is recognized by a token that only the groups of the running pickle keep alive.
 
 _STATE_KEY = "__mmpack_packed_tensor__"
+_CORRUPT = "corrupt PackedTensor pickle"
 _SEGMENTS_FORMAT = "mmpack.segments/2"
 _GROUP_FORMAT = "mmpack.group/1"
 _BUFFER_DTYPES = {
@@ -777,10 +810,6 @@ def _i64_bytes(values: Any) -> bytes:
     return np.asarray(values, dtype="<i8").tobytes()
 
 
-def _i64_list(data: Any) -> list[int]:
-    return np.frombuffer(data, dtype="<i8").tolist()
-
-
 def _i64_array(data: Any) -> np.ndarray:
     return np.frombuffer(data, dtype="<i8").astype(np.int64, copy=False)
 
@@ -855,6 +884,19 @@ def _encode_group(members: list[torch.Tensor], protocol: int) -> Any:
     return (_GROUP_FORMAT, _i64_bytes(dtypes), _i64_bytes(ranks), _i64_bytes(dims), buffers)
 
 
+def _check_fields(state: dict[str, Any], what: str) -> None:
+    """The fields every restored value needs: a ``tensors`` list, an int ``dim_to_pack`` and a
+    bool ``pad_to_max_shape`` (``LayoutError`` naming the first that is missing or wrong)."""
+    for key, types in (("tensors", list), ("dim_to_pack", int), ("pad_to_max_shape", bool)):
+        if key not in state:
+            raise LayoutError(f"{_CORRUPT}: the {what} has no {key!r}")
+        value = state[key]
+        if not isinstance(value, types) or (types is int and isinstance(value, bool)):
+            raise LayoutError(
+                f"{_CORRUPT}: {key} must be a {types.__name__}, got {type(value).__name__}"
+            )
+
+
 def _unflatten_into(
     out: list[Any], base: torch.Tensor, slots: list[int], shapes: list[Any]
 ) -> None:
@@ -863,6 +905,7 @@ def _unflatten_into(
     pos = 0
     j = 0
     n = len(slots)
+    total = base.numel()
     while j < n:
         shape = shapes[slots[j]]
         k = j + 1
@@ -870,6 +913,8 @@ def _unflatten_into(
             k += 1
         numel = math.prod(shape)
         count = k - j
+        if pos + numel * count > total:
+            break
         block = base[pos : pos + numel * count]
         if count == 1:
             out[slots[j]] = block.view(shape)
@@ -879,8 +924,8 @@ def _unflatten_into(
                 out[i] = piece
         pos += numel * count
         j = k
-    if pos != base.numel():
-        raise LayoutError("a PackedTensor pickle's shape table does not match its buffer")
+    if j < n or pos != total:
+        raise LayoutError(f"{_CORRUPT}: its shape table does not match its buffer")
 
 
 def _writable_bytes(buf: Any) -> Any:
@@ -895,7 +940,16 @@ def _decode_group(payload: Any) -> list[Any]:
     fmt, dtypes, ranks, dims, buffers = payload
     if fmt != _GROUP_FORMAT:
         raise LayoutError(f"unknown PackedTensor pickle format {fmt!r}")
-    dtypes_l, ranks_l, dims_l = _i64_list(dtypes), _i64_list(ranks), _i64_list(dims)
+    dtypes_a, ranks_a, dims_a = _i64_array(dtypes), _i64_array(ranks), _i64_array(dims)
+    if (
+        len(dtypes_a) != len(ranks_a)
+        or (ranks_a < 0).any()
+        or int(ranks_a.sum()) != len(dims_a)
+        or (dims_a < 0).any()
+        or (len(dtypes_a) and not 0 <= int(dtypes_a.min()) <= int(dtypes_a.max()) < len(buffers))
+    ):
+        raise LayoutError(f"{_CORRUPT}: inconsistent tensor tables")
+    dtypes_l, ranks_l, dims_l = dtypes_a.tolist(), ranks_a.tolist(), dims_a.tolist()
     n = len(dtypes_l)
     shapes: list[Any] = [None] * n
     slots: list[list[int]] = [[] for _ in buffers]
@@ -923,10 +977,13 @@ def _decode_segments(payload: Any) -> list[Any]:
     fmt, codes, pos, groups, others = payload
     if fmt != _SEGMENTS_FORMAT:
         raise LayoutError(f"unknown PackedTensor pickle format {fmt!r}")
+    codes_a, pos_a = _i64_array(codes), _i64_array(pos)
+    if len(codes_a) != len(pos_a) or (len(codes_a) and (codes_a.min() < -2 or pos_a.min() < 0)):
+        raise LayoutError(f"{_CORRUPT}: inconsistent segment tables")
     group_lists = [g.members if isinstance(g, _Group) else g.tensors for g in groups]
     out: list[Any] = []
     append = out.append
-    for c, j in zip(_i64_list(codes), _i64_list(pos), strict=True):
+    for c, j in zip(codes_a.tolist(), pos_a.tolist(), strict=True):
         if c >= 0:
             append(group_lists[c][j])
         elif c == -1:
@@ -937,6 +994,17 @@ def _decode_segments(payload: Any) -> list[Any]:
 
 
 def _restore_into(obj: PackedTensor, state: dict[str, Any]) -> None:
+    """Restore mmpack's own pickle format; any inconsistency is a ``LayoutError`` (the state
+    comes from bytes that may be truncated or corrupt)."""
+    try:
+        _restore_fields(obj, state)
+    except MmpackError:
+        raise
+    except Exception as exc:  # a decoding boundary: every failure means a corrupt state
+        raise LayoutError(f"{_CORRUPT}: {type(exc).__name__}: {exc}") from exc
+
+
+def _restore_fields(obj: PackedTensor, state: dict[str, Any]) -> None:
     if "group" in state:
         obj.tensors = _decode_group(state["group"])
         obj.dim_to_pack = 0
@@ -954,10 +1022,22 @@ def _restore_into(obj: PackedTensor, state: dict[str, Any]) -> None:
             None if indices is None else _i64_array(indices),
             provenance_blob=None if blob is None else bytes(blob),
         )
-    obj.tensors = tensors
-    obj.dim_to_pack = state["dim_to_pack"]
-    obj.pad_to_max_shape = state["pad_to_max_shape"]
-    obj._layout = lay
+    fields = {
+        "tensors": tensors,
+        "dim_to_pack": state["dim_to_pack"],
+        "pad_to_max_shape": state["pad_to_max_shape"],
+    }
+    _check_fields(fields, "mmpack state")
     extra = state.get("extra")
+    if extra is not None and not (
+        isinstance(extra, dict)
+        and _CORE_KEYS.isdisjoint(extra)
+        and not set(_RAW_KEYS) & extra.keys()
+    ):
+        raise LayoutError(f"{_CORRUPT}: extra attributes must be a dict of non-field names")
+    obj.tensors = tensors
+    obj.dim_to_pack = fields["dim_to_pack"]
+    obj.pad_to_max_shape = fields["pad_to_max_shape"]
+    obj._layout = lay
     if extra:
         obj.__dict__.update(extra)

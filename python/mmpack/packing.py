@@ -81,6 +81,7 @@ _ON_OVERSIZE = ("error", "skip", "truncate")
 _RANK_COSTS = ("tokens", "tokens_squared")
 
 IntArray = NDArray[np.int64]
+_I64_MAX = 2**63 - 1
 
 
 # ----------------------------------------------------------------------------- inputs
@@ -108,13 +109,15 @@ def _as_int64(values: Any, name: str) -> IntArray:
             f"{name} must be integers, got {what} (dtype {arr.dtype}); convert explicitly, "
             "e.g. np.asarray(x).astype(np.int64), after checking the values are whole"
         )
-    if arr.dtype == np.uint64 and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
-        bad = int(np.argmax(arr > np.iinfo(np.int64).max))
+    if arr.dtype == np.uint64 and arr.size and int(arr.max()) > _I64_MAX:
+        bad = int(np.argmax(arr > _I64_MAX))
         raise ItemTooLargeError(f"item {bad} has {name[:-1]} {int(arr[bad])}, beyond int64")
     return np.ascontiguousarray(arr, dtype=np.int64)
 
 
 def _int_arg(name: str, value: Any, minimum: int) -> int:
+    """``value`` as an ``int`` in ``[minimum, 2**63 - 1]`` (the core's ``int64``), else
+    ``PackingArgumentError`` naming the argument."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise PackingArgumentError(
             f"invalid packing argument {name}: must be an integer, got {value!r}"
@@ -123,6 +126,10 @@ def _int_arg(name: str, value: Any, minimum: int) -> int:
     if value < minimum:
         raise PackingArgumentError(
             f"invalid packing argument {name}: must be >= {minimum}, got {value}"
+        )
+    if value > _I64_MAX:
+        raise PackingArgumentError(
+            f"invalid packing argument {name}: must be <= 2**63 - 1, got {value}"
         )
     return value
 
@@ -327,6 +334,11 @@ def assign_to_ranks(packing: Packing, num_ranks: int, *, cost: str = "tokens") -
     the least-loaded rank that has fewer than ``ceil(num_bins / num_ranks)`` bins, so bin
     counts differ by at most one (none when ``num_bins`` is a multiple of ``num_ranks``; use
     ``pack(..., bins_multiple_of=num_ranks)``). Each rank's bins come out largest first."""
+    if not isinstance(packing, Packing):
+        raise TypeError(
+            f"assign_to_ranks needs a Packing (from mmpack.packing.pack or "
+            f"SequencePacker.pack_flat), got {type(packing).__name__}"
+        )
     ranks = _int_arg("num_ranks", num_ranks, 1)
     if cost not in _RANK_COSTS:
         raise PackingArgumentError(
@@ -506,6 +518,15 @@ class PackingMetrics:
         print("===============================\n")
 
 
+def _facade_int(name: str, value: Any, minimum: int, rule: str) -> int:
+    """A NeMo-RL facade argument: NeMo-RL's message (``"{name} must be {rule}"``) for an
+    integer below ``minimum``; ``_int_arg``'s for a non-integer or one beyond ``int64``."""
+    checked = _int_arg(name, value, -(2**63))
+    if checked < minimum:
+        raise PackingArgumentError(f"{name} must be {rule}")
+    return checked
+
+
 def _too_long(length: int, capacity: int) -> ItemTooLargeError:
     return ItemTooLargeError(f"Sequence length {length} exceeds bin capacity {capacity}")
 
@@ -532,24 +553,24 @@ class SequencePacker:
     ) -> None:
         self.bin_capacity = bin_capacity
         self.collect_metrics = collect_metrics
+        if min_bin_count is not None:
+            min_bin_count = _facade_int("min_bin_count", min_bin_count, 0, "nonnegative")
+        if bin_count_multiple is not None:
+            bin_count_multiple = _facade_int(
+                "bin_count_multiple", bin_count_multiple, 1, "positive"
+            )
         self.min_bin_count = min_bin_count
         self.bin_count_multiple = bin_count_multiple
         self.metrics: PackingMetrics | None = None
-        if min_bin_count is not None and min_bin_count < 0:
-            raise PackingArgumentError("min_bin_count must be nonnegative")
-        if bin_count_multiple is not None and bin_count_multiple < 1:
-            raise PackingArgumentError("bin_count_multiple must be positive")
         if collect_metrics:
             self.metrics = PackingMetrics()
 
     def _pack_flat(self, sequence_lengths: Sequence[int]) -> Packing:
         arr = _as_int64(sequence_lengths, "sequence_lengths")
-        cap = self.bin_capacity
+        # checked here, not at construction: NeMo-RL reads the attribute when it packs
+        cap = _facade_int("bin_capacity", self.bin_capacity, 1, "positive")
         alg = self.algorithm
         mffd = alg is PackingAlgorithm.MODIFIED_FIRST_FIT_DECREASING
-        if isinstance(cap, bool) or not isinstance(cap, (int, np.integer)) or cap <= 0:
-            raise PackingArgumentError("bin_capacity must be positive")
-        cap = int(cap)
         order = None
         if alg is PackingAlgorithm.FIRST_FIT_SHUFFLE:
             order = _shuffle_order(len(arr), None)  # NeMo-RL shuffles the global state

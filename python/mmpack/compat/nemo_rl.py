@@ -20,12 +20,16 @@ in dicts, lists and tuples) into mmpack objects, without ``nemo_rl`` installed a
 ``install()``. They use a restricted unpickler that admits only what a PackedTensor payload needs:
 
 * the PackedTensor class paths (NeMo-RL's and mmpack's), mapped to ``mmpack.PackedTensor``;
-* torch's tensor rebuild function and storage types, and torch dtypes;
+* torch's tensor rebuild function (checked against its storage first), storage types and
+  dtypes;
 * ``collections.OrderedDict``, a few builtin containers, ``copyreg._reconstructor`` (protocols 0
   and 1) and ``_codecs.encode`` (bytes under protocol 2).
 
 Any other global raises :class:`mmpack.errors.UnsafePickleError` naming it (for example
-``os.system``), before anything is called. Tensors always load onto the CPU.
+``os.system``), before anything is called, and so does a tensor record that does not fit inside
+its storage (torch would grow the storage). Bytes that do not decode (truncated, bit-flipped)
+raise :class:`mmpack.errors.CorruptPickleError` with the original error chained. Both are
+``pickle.UnpicklingError`` subclasses. Tensors always load onto the CPU.
 """
 
 from __future__ import annotations
@@ -44,7 +48,7 @@ import zipfile
 from collections.abc import Callable
 from typing import IO, Any
 
-from mmpack.errors import UnsafePickleError
+from mmpack.errors import CorruptPickleError, MmpackError, UnsafePickleError
 
 __all__ = ["NEMO_RL_CLASS_PATH", "install", "installed", "load", "loads", "uninstall"]
 
@@ -159,14 +163,119 @@ def uninstall() -> None:
 
 def _load_storage_from_bytes(data: bytes) -> Any:
     """Stands in for ``torch.storage._load_from_bytes`` (which calls ``torch.load`` with
-    ``weights_only=False``): the nested storage is read with torch's own restricted loader."""
+    ``weights_only=False``): a nested ``torch.save`` archive goes through this module's checked
+    loader; the legacy format a pickled storage nests is size-checked, then read with torch's
+    own ``weights_only`` loader. The result must be a storage."""
     import torch
 
     if not isinstance(data, bytes):
         raise UnsafePickleError(
             f"torch.storage._load_from_bytes expects bytes, got {type(data).__name__}"
         )
-    return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+    if data[:4] == _ZIP_MAGIC:  # torch.save's current format: our checked loader
+        storage = _loads_torch_zip(data)
+    else:
+        _check_legacy_storage_sizes(data)
+        storage = _torch_load_weights_only(data)
+    if not isinstance(storage, (torch.storage.TypedStorage, torch.UntypedStorage)):
+        raise UnsafePickleError(
+            f"torch.storage._load_from_bytes must give a storage, got {type(storage).__name__}"
+        )
+    return storage
+
+
+def _torch_load_weights_only(data: bytes) -> Any:
+    import torch
+
+    try:
+        return torch.load(io.BytesIO(data), weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as exc:  # torch's weights_only refusal
+        raise UnsafePickleError(f"refusing nested torch.load payload: {exc}") from exc
+
+
+def _check_legacy_storage_sizes(data: bytes) -> None:
+    """torch's legacy format (what a pickled storage nests) is five pickles (magic number,
+    protocol version, system info, the object, the storage keys) and then each storage's bytes;
+    torch's loader allocates every storage at the size its record declares before it reads
+    them. Refuse records that declare more bytes than follow (a few bytes asking for
+    terabytes), reading the pickles with the restricted unpickler."""
+    f = io.BytesIO(data)
+    for _ in range(3):
+        _RestrictedUnpickler(f).load()
+    declared: dict[Any, int] = {}
+
+    def persistent(pid: Any) -> None:
+        if not (isinstance(pid, tuple) and len(pid) == 6 and pid[0] == "storage"):
+            raise UnsafePickleError(f"refusing persistent id {pid!r} in a nested storage")
+        storage_type, key, numel = pid[1], pid[2], pid[4]
+        if not isinstance(storage_type, _StorageType) or not _is_int(numel) or numel < 0:
+            raise UnsafePickleError(f"refusing storage record {pid!r} in a nested storage")
+        declared.setdefault(key, numel * storage_type.dtype.itemsize)
+
+    _RestrictedUnpickler(f, persistent).load()
+    _RestrictedUnpickler(f).load()
+    need = sum(declared.values()) + 8 * len(declared)  # each storage: an int64 header + bytes
+    carried = len(data) - f.tell()
+    if need > carried:
+        raise UnsafePickleError(
+            f"refusing nested storage: its records declare {need} bytes but {carried} follow"
+        )
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _rebuild_tensor_checked(
+    storage: Any,
+    storage_offset: Any,
+    size: Any,
+    stride: Any,
+    requires_grad: Any,
+    backward_hooks: Any,
+    metadata: Any = None,
+) -> Any:
+    """``torch._utils._rebuild_tensor_v2`` after checking the record against its storage: torch
+    grows a storage that is too small for the record (a 300-byte archive could ask for
+    gigabytes of uninitialized memory, which becomes the tensor's contents), so sizes, strides
+    and the offset must be non-negative ints whose highest element lies inside the storage."""
+    import torch
+    import torch._utils
+
+    if not isinstance(storage, torch.storage.TypedStorage):
+        raise UnsafePickleError(
+            f"a tensor record needs a typed storage, got {type(storage).__name__}"
+        )
+    if not (
+        isinstance(size, (tuple, list))
+        and isinstance(stride, (tuple, list))
+        and len(size) == len(stride)
+        and all(_is_int(x) and x >= 0 for x in (*size, *stride))
+        and _is_int(storage_offset)
+        and storage_offset >= 0
+    ):
+        raise UnsafePickleError(
+            f"refusing tensor record with size {size!r}, stride {stride!r}, "
+            f"offset {storage_offset!r}: each must be a non-negative int"
+        )
+    if not isinstance(requires_grad, bool):
+        raise UnsafePickleError(f"requires_grad must be a bool, got {type(requires_grad).__name__}")
+    if backward_hooks:  # torch never pickles hooks: an empty OrderedDict
+        raise UnsafePickleError("refusing a tensor record with backward hooks")
+    available = (
+        storage._size()
+    )  # in elements; the public size() warns that TypedStorage is deprecated
+    end = storage_offset
+    if all(size):  # a tensor with elements: its last element must lie in the storage
+        end += sum((n - 1) * st for n, st in zip(size, stride, strict=True)) + 1
+    if end > available:
+        raise UnsafePickleError(
+            f"refusing tensor record with size {tuple(size)}, stride {tuple(stride)} and "
+            f"offset {storage_offset}: it needs {end} elements but its storage holds {available}"
+        )
+    return torch._utils._rebuild_tensor_v2(
+        storage, storage_offset, tuple(size), tuple(stride), requires_grad, backward_hooks, metadata
+    )
 
 
 def _latin1_encode(text: str, encoding: str = "utf-8") -> bytes:
@@ -218,9 +327,7 @@ def _resolve(module: str, name: str) -> Any:
     if module == "_codecs" and name == "encode":
         return _latin1_encode
     if module == "torch._utils" and name == "_rebuild_tensor_v2":
-        import torch._utils
-
-        return torch._utils._rebuild_tensor_v2
+        return _rebuild_tensor_checked
     if module == "torch.storage" and name == "_load_from_bytes":
         return _load_storage_from_bytes
     if module == "torch" and _is_torch_dtype(name):
@@ -304,14 +411,23 @@ def _loads_torch_zip(data: bytes) -> Any:
 def loads(data: bytes | bytearray | memoryview) -> Any:
     """Unpickle ``data`` (a pickle, or the bytes of a ``torch.save`` file) with PackedTensor
     values coming back as ``mmpack.PackedTensor``. Raises ``UnsafePickleError`` for any global
-    a PackedTensor payload does not need."""
+    a PackedTensor payload does not need (or a tensor record larger than its storage),
+    ``CorruptPickleError`` (with the original error chained) for bytes that do not decode, and
+    ``TypeError`` for ``data`` that is not bytes-like."""
+    if isinstance(data, str) or not isinstance(data, (bytes, bytearray, memoryview)):
+        raise TypeError(f"loads expects bytes, got {type(data).__name__}")
     raw = bytes(data)
-    if raw[:4] == _ZIP_MAGIC:
-        try:
+    try:
+        if raw[:4] == _ZIP_MAGIC:
             return _loads_torch_zip(raw)
-        except (zipfile.BadZipFile, KeyError) as exc:
-            raise pickle.UnpicklingError(f"not a readable torch.save archive: {exc}") from exc
-    return _loads_plain(raw)
+        return _loads_plain(raw)
+    except MmpackError:
+        raise
+    except Exception as exc:  # the decoding boundary: UnpicklingError, EOFError, MemoryError, ...
+        what = "torch.save archive" if raw[:4] == _ZIP_MAGIC else "pickle"
+        raise CorruptPickleError(
+            f"not a readable {what}: {type(exc).__name__}: {str(exc)[:200]}"
+        ) from exc
 
 
 def load(file: str | os.PathLike[str] | IO[bytes]) -> Any:

@@ -6,9 +6,9 @@
 2. runs one epoch through the real Energon loader with mmpack packing (progress bar), then the
    same pipeline with the plain-Python reference packer and batch builder, then the same loader
    without packing;
-3. prints a report (samples/s, tokens/s, token fill, samples in = packed + skipped + failed,
-   media dedup ratio, reference and no-packing side by side), checks that mmpack's packs equal the
-   reference's, and writes a PNG (fill histogram and throughput).
+3. prints a report (samples/s, tokens/s, token fill, samples in = packed + skipped by reason +
+   failed by reason, media dedup ratio, reference and no-packing side by side), checks that
+   mmpack's packs equal the reference's, and writes a PNG (fill histogram and throughput).
 """
 
 from __future__ import annotations
@@ -291,9 +291,11 @@ def _accounting(ds: Any, r: RunResult) -> tuple[bool, str]:
     dupes = len(r.keys) - len(set(r.keys))
     ok = ok and dupes == 0 and set(r.keys) == ds.keys_with("ok")
     reasons = ", ".join(f"{k} {v}" for k, v in st["skipped"].items() if v)
+    failures = ", ".join(f"{k} {v}" for k, v in st["failed_by_reason"].items())
     line = (
         f"samples in {ds.num_samples} = packed {r.samples} + skipped {skipped} "
-        f"({reasons or 'none'}) + failed {failed}  -> {'balanced' if ok else 'MISMATCH'} "
+        f"({reasons or 'none'}) + failed {failed} ({failures or 'none'})  "
+        f"-> {'balanced' if ok else 'MISMATCH'} "
         f"(duplicates: {dupes}; delivered == the expected-good set: "
         f"{set(r.keys) == ds.keys_with('ok')})"
     )
@@ -371,6 +373,23 @@ def main(argv: list[str]) -> int:
     if args.samples < 10 or args.capacity < 64 or args.workers < 0:
         print(
             "error: --samples >= 10, --capacity >= 64 and --workers >= 0 are required",
+            file=sys.stderr,
+        )
+        return 2
+    from mmpack.errors import PackingArgumentError
+    from mmpack.packing import PackingAlgorithm, _algorithm_name
+
+    try:
+        algorithm = _algorithm_name(args.algorithm)
+    except PackingArgumentError as err:
+        print(f"error: --algorithm: {err}", file=sys.stderr)
+        return 2
+    nemo_rl = [a.value for a in PackingAlgorithm]
+    if not args.no_reference and algorithm not in nemo_rl:
+        # checked before any run: the reference run would otherwise fail after the mmpack one
+        print(
+            f"error: the reference packer runs only NeMo-RL's algorithms ({', '.join(nemo_rl)}); "
+            f"pass --no-reference to run --algorithm {args.algorithm}",
             file=sys.stderr,
         )
         return 2

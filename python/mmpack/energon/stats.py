@@ -1,7 +1,12 @@
 """Counters shared by the loader's worker processes: samples seen, skipped (per reason),
-failed, packed, media decoded. Energon forks its workers (``multiprocessing_context="fork"``), so
-a `multiprocessing` array created with the task encoder, before the loader starts, is shared by
-every worker and read by the main process.
+failed (per exception type), packed, media decoded. Energon forks its workers
+(``multiprocessing_context="fork"``), so `multiprocessing` arrays created with the task encoder,
+before the loader starts, are shared by every worker and read by the main process.
+
+Skip reasons are a fixed set; failure reasons are exception type names, known only when they
+happen, so they live in a fixed table of ``FAILURE_SLOTS`` (name, count) slots claimed on first
+use, under the counters' lock. Past ``FAILURE_SLOTS - 1`` distinct types the rest are counted
+under ``"<other>"``, so the total stays exact.
 
 The counters are statistics of one loader run, not training state, so they are not part of a
 loader checkpoint. "Samples in = packed + skipped + failed" holds for a run that drains its
@@ -18,7 +23,7 @@ import multiprocessing
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["SKIP_REASONS", "LoaderStats"]
+__all__ = ["FAILURE_SLOTS", "SKIP_REASONS", "LoaderStats"]
 
 logger = logging.getLogger("mmpack.energon")
 
@@ -33,7 +38,6 @@ SKIP_REASONS = (
 _OTHER = (
     "seen",
     "encoded",
-    "failed",
     "packed",
     "packs",
     "decoded",
@@ -45,14 +49,21 @@ _OTHER = (
 _FIELDS = (*_OTHER, *(f"skipped:{r}" for r in SKIP_REASONS))
 _INDEX = {name: i for i, name in enumerate(_FIELDS)}
 
+#: Distinct failure reasons (exception type names) counted apart, the last one "<other>".
+FAILURE_SLOTS = 32
+_NAME_BYTES = 64  # per slot; longer type names are cut (they stay distinct in practice)
+_OTHER_FAILURE = "<other>"
+
 
 class LoaderStats:
     """Process-shared counters of one task encoder."""
 
     def __init__(self) -> None:
         ctx = multiprocessing.get_context("fork")
-        self._values = ctx.Array("q", len(_FIELDS), lock=True)
-        self.failures: list[str] = []  # per-process, main-process (0 workers) detail
+        self._values = ctx.Array("q", len(_FIELDS) + FAILURE_SLOTS, lock=True)
+        # failure slot names, guarded by the lock of `_values` (which holds their counts)
+        self._failure_names = ctx.RawArray("c", FAILURE_SLOTS * _NAME_BYTES)
+        self.failures: list[str] = []  # per-process detail (sample keys): complete with 0 workers
 
     def add(self, name: str, amount: int = 1) -> None:
         index = _INDEX[name]
@@ -62,32 +73,60 @@ class LoaderStats:
     def skip(self, reason: str) -> None:
         self.add(f"skipped:{reason}")
 
+    def fail(self, reason: str, amount: int = 1) -> None:
+        """Counts ``amount`` failed samples under ``reason`` (an exception type name)."""
+        key = reason.encode("utf-8", "replace")[:_NAME_BYTES] or b"?"
+        names = self._failure_names
+        with self._values.get_lock():
+            taken = names.raw
+            slot = FAILURE_SLOTS - 1  # "<other>" when every other slot is taken
+            for i in range(FAILURE_SLOTS - 1):
+                name = _slot_name(taken, i)
+                if not name:  # first free slot: claim it
+                    names[i * _NAME_BYTES : i * _NAME_BYTES + len(key)] = key
+                if not name or name == key:
+                    slot = i
+                    break
+            self._values[len(_FIELDS) + slot] += amount
+
     def reset(self) -> None:
         with self._values.get_lock():
-            for i in range(len(_FIELDS)):
+            for i in range(len(self._values)):
                 self._values[i] = 0
+            self._failure_names[:] = bytes(len(self._failure_names))
         self.failures.clear()
 
     def snapshot(self) -> dict[str, Any]:
         """Counts now: ``seen``, ``encoded``, ``packed`` (samples delivered in packs), ``packs``,
-        ``failed``, ``decoded``, ``skipped`` (dict reason -> count) and ``skipped_total``."""
+        ``decoded``, ``skipped`` (dict reason -> count), ``skipped_total``,
+        ``failed_by_reason`` (dict exception type name -> count, in order of first failure)
+        and ``failed`` (their sum)."""
         with self._values.get_lock():
             values = [int(v) for v in self._values[:]]
+            names = self._failure_names.raw
         out: dict[str, Any] = {name: values[_INDEX[name]] for name in _OTHER}
         out["skipped"] = {r: values[_INDEX[f"skipped:{r}"]] for r in SKIP_REASONS}
         out["skipped_total"] = sum(out["skipped"].values())
+        *counts, other = values[len(_FIELDS) :]
+        failed = {
+            _slot_name(names, i).decode("utf-8", "replace"): n for i, n in enumerate(counts) if n
+        }
+        if other:
+            failed[_OTHER_FAILURE] = other
+        out["failed_by_reason"] = failed
+        out["failed"] = sum(failed.values())
         return out
 
     def error_handler(
         self, inner: Callable[[Exception, Any, Any], None] | None = None
     ) -> Callable[[Exception, Any, Any], None]:
-        """An Energon ``global_error_handler`` that counts failed samples (a failed pack or batch
-        counts all its members), logs one line, then calls `inner` (e.g. Energon's
-        ``log_exception`` or ``reraise_exception``) if given."""
+        """An Energon ``global_error_handler`` that counts failed samples by exception type (a
+        failed pack or batch counts all its members), logs one line, then calls `inner` (e.g.
+        Energon's ``log_exception`` or ``reraise_exception``) if given."""
 
         def handler(err: Exception, sample: Any, sources: Any = None) -> None:
             n = _count_samples(sample)
-            self.add("failed", n)
+            self.fail(type(err).__name__, n)
             key = _describe(sample)
             self.failures.append(f"{key}: {type(err).__name__}: {err}")
             logger.warning(
@@ -97,6 +136,10 @@ class LoaderStats:
                 inner(err, sample, sources)
 
         return handler
+
+
+def _slot_name(names: bytes, slot: int) -> bytes:
+    return names[slot * _NAME_BYTES : (slot + 1) * _NAME_BYTES].rstrip(b"\0")
 
 
 def _count_samples(sample: Any) -> int:

@@ -123,6 +123,62 @@ pub fn validate_provenance_len(len: usize, n_physical: usize) -> CoreResult<()> 
     }
 }
 
+/// The output of `Packed::select` while it is built.
+struct SelectOut<'a> {
+    /// The source's references (`None`: the legacy layout, row r is segment r).
+    all_refs: Option<&'a [i64]>,
+    /// Output slot of each source physical segment (`usize::MAX`: not referenced yet).
+    remap: Vec<usize>,
+    physical: Vec<usize>,
+    offsets: Vec<i64>,
+    indices: Vec<i64>,
+}
+
+impl SelectOut<'_> {
+    /// Copy the references of the last `starts.len()` rows (whose offsets are already
+    /// pushed), renumbering physical segments in first-reference order.
+    fn copy_refs(&mut self, starts: &[usize]) -> CoreResult<()> {
+        let ovf = |what| CoreError::IndexOverflow { what };
+        let first = self
+            .offsets
+            .len()
+            .checked_sub(starts.len() + 1)
+            .ok_or(ovf("a row offset"))?;
+        let bounds = self.offsets.get(first..).ok_or(ovf("a row offset"))?;
+        let n_physical = self.remap.len();
+        let mut legacy = [0i64];
+        for (&start, w) in starts.iter().zip(bounds.windows(2)) {
+            let refs: &[i64] = match self.all_refs {
+                Some(all) => {
+                    let len = to_usize(w[1] - w[0], "a row offset")?;
+                    all.get(start..start.saturating_add(len))
+                        .ok_or(ovf("a row's segment references"))?
+                }
+                None => {
+                    legacy[0] = to_i64(start, "a row index")?;
+                    &legacy
+                }
+            };
+            for &src in refs {
+                let slot = usize::try_from(src)
+                    .ok()
+                    .and_then(|s| self.remap.get_mut(s))
+                    .ok_or(CoreError::SegmentIndexOutOfRange {
+                        at: 0,
+                        value: src,
+                        n_physical,
+                    })?;
+                if *slot == usize::MAX {
+                    *slot = self.physical.len();
+                    self.physical.push(to_usize(src, "a physical index")?);
+                }
+                self.indices.push(to_i64(*slot, "a physical index")?);
+            }
+        }
+        Ok(())
+    }
+}
+
 impl Csr {
     /// Number of rows (`offsets.len() - 1`; 0 for an empty, invalid offsets list).
     #[must_use]
@@ -135,6 +191,19 @@ impl Csr {
     /// # Errors
     /// `IndexOverflow` if the mapping is inconsistent (never for a validated one).
     pub fn row(&self, r: usize) -> CoreResult<&[i64]> {
+        let (start, len) = self.span(r)?;
+        self.indices
+            .get(start..start.saturating_add(len))
+            .ok_or(CoreError::IndexOverflow {
+                what: "a row's segment references",
+            })
+    }
+
+    /// Row `r`'s references as `(start, len)` into `indices` (not checked against them).
+    ///
+    /// # Errors
+    /// `IndexOverflow` if `r` is not a row or its offsets are not a valid range.
+    pub fn span(&self, r: usize) -> CoreResult<(usize, usize)> {
         let bad = CoreError::IndexOverflow {
             what: "a row's segment references",
         };
@@ -143,7 +212,7 @@ impl Csr {
             return Err(bad);
         };
         let (a, b) = (to_usize(a, "a row offset")?, to_usize(b, "a row offset")?);
-        self.indices.get(a..b).ok_or(bad)
+        Ok((a, b.checked_sub(a).ok_or(bad)?))
     }
 
     /// The identity mapping of the legacy layout: row `r` is segment `r`.
@@ -227,41 +296,47 @@ impl Packed {
 
     fn select<I: IntoIterator<Item = usize>>(&self, rows: I, hint: usize) -> CoreResult<Selection> {
         let n_physical = self.n_physical;
-        let mut remap = vec![usize::MAX; n_physical];
-        let mut physical: Vec<usize> = Vec::new();
-        let mut offsets: Vec<i64> = Vec::with_capacity(hint.saturating_add(1));
-        let mut indices: Vec<i64> = Vec::new();
-        offsets.push(0);
-        let mut push_ref = |src: i64, indices: &mut Vec<i64>| -> CoreResult<()> {
-            let src_u = usize::try_from(src)
-                .ok()
-                .filter(|&s| s < n_physical)
-                .ok_or(CoreError::SegmentIndexOutOfRange {
-                    at: 0,
-                    value: src,
-                    n_physical,
-                })?;
-            let slot = remap.get_mut(src_u).ok_or(CoreError::IndexOverflow {
-                what: "a physical remap",
-            })?;
-            if *slot == usize::MAX {
-                *slot = physical.len();
-                physical.push(src_u);
-            }
-            indices.push(to_i64(*slot, "a physical index")?);
-            Ok(())
+        let ovf = |what| CoreError::IndexOverflow { what };
+        // Two passes per chunk of rows: first each row's range of references, then the copy.
+        // Rows selected at random hit `offsets` and `indices` at random; loops that do nothing
+        // else let the CPU overlap those cache misses (random half of 10M rows: 0.92 s -> 0.66 s
+        // measured), and a chunk's ranges stay in L1.
+        const CHUNK: usize = 1024;
+        let refs_hint = match &self.csr {
+            Some(c) if c.rows() > 0 => (c.indices.len() / c.rows()).saturating_mul(hint),
+            _ => hint,
         };
+        let mut out = SelectOut {
+            all_refs: self.csr.as_ref().map(|c| c.indices.as_slice()),
+            remap: vec![usize::MAX; n_physical],
+            physical: Vec::new(),
+            offsets: Vec::with_capacity(hint.saturating_add(1)),
+            indices: Vec::with_capacity(refs_hint),
+        };
+        out.offsets.push(0);
+        let mut starts: Vec<usize> = Vec::with_capacity(CHUNK);
+        let mut total = 0usize;
         for r in rows {
-            match &self.csr {
-                Some(c) => {
-                    for &src in c.row(r)? {
-                        push_ref(src, &mut indices)?;
-                    }
-                }
-                None => push_ref(to_i64(r, "a row index")?, &mut indices)?,
+            let (start, len) = match &self.csr {
+                Some(c) => c.span(r)?,
+                None if r < n_physical => (r, 1),
+                None => return Err(ovf("a row index")),
+            };
+            total = total.checked_add(len).ok_or(ovf("a row offset"))?;
+            out.offsets.push(to_i64(total, "a row offset")?);
+            starts.push(start);
+            if starts.len() == CHUNK {
+                out.copy_refs(&starts)?;
+                starts.clear();
             }
-            offsets.push(to_i64(indices.len(), "a row offset")?);
         }
+        out.copy_refs(&starts)?;
+        let SelectOut {
+            physical,
+            offsets,
+            indices,
+            ..
+        } = out;
         let provenance = match &self.provenance {
             Some(p) => Some(
                 physical
@@ -337,14 +412,19 @@ impl Packed {
             return Err(CoreError::ShardNotDivisible { rows, shards });
         }
         let per = rows / shards;
-        (0..shards)
-            .map(|s| {
-                let start = s
-                    .checked_mul(per)
-                    .ok_or(CoreError::IndexOverflow { what: "a shard" })?;
-                self.slice_range(start, start + per)
-            })
-            .collect()
+        // An empty value splits into any number of shards: refuse a count that cannot be held.
+        let mut out = Vec::new();
+        out.try_reserve_exact(shards)
+            .map_err(|_| CoreError::IndexOverflow {
+                what: "the shard list (out of memory)",
+            })?;
+        for s in 0..shards {
+            let start = s
+                .checked_mul(per)
+                .ok_or(CoreError::IndexOverflow { what: "a shard" })?;
+            out.push(self.slice_range(start, start + per)?);
+        }
+        Ok(out)
     }
 
     /// Every row repeated `repeats` times in place (`[r0]*k + [r1]*k ...`), sharing physical
@@ -677,6 +757,62 @@ mod tests {
         })
     }
 
+    /// `select` works in chunks of rows: a selection spanning several chunks (and rows without
+    /// references) must equal the row-by-row result.
+    #[test]
+    fn slice_across_chunks_matches_row_by_row() {
+        let n_rows = 3000usize;
+        let n_physical = 7usize;
+        let mut offsets = vec![0i64];
+        let mut indices = Vec::new();
+        for r in 0..n_rows {
+            for j in 0..(r % 4) {
+                indices.push(((r * 5 + j * 3) % n_physical) as i64);
+            }
+            offsets.push(indices.len() as i64);
+        }
+        let picks: Vec<i64> = (0..5000i64)
+            .map(|i| (i * 7919 + 13) % 6000 - 3000)
+            .collect();
+        for legacy in [false, true] {
+            let p = Packed {
+                csr: if legacy {
+                    None
+                } else {
+                    csr(&offsets, &indices)
+                },
+                provenance: None,
+                n_physical: if legacy { n_rows } else { n_physical },
+            };
+            let sel = p.slice(&picks).unwrap_or_else(|_| unreachable!());
+            let mut remap = vec![usize::MAX; p.n_physical];
+            let mut physical = Vec::new();
+            let mut want_offsets = vec![0i64];
+            let mut want_indices = Vec::new();
+            for &pick in &picks {
+                let r = usize::try_from(if pick < 0 { pick + 3000 } else { pick })
+                    .unwrap_or_else(|_| unreachable!());
+                let refs: Vec<i64> = match &p.csr {
+                    Some(c) => c.row(r).unwrap_or_else(|_| unreachable!()).to_vec(),
+                    None => vec![r as i64],
+                };
+                for src in refs {
+                    let s = usize::try_from(src).unwrap_or_else(|_| unreachable!());
+                    if remap[s] == usize::MAX {
+                        remap[s] = physical.len();
+                        physical.push(s);
+                    }
+                    want_indices.push(remap[s] as i64);
+                }
+                want_offsets.push(want_indices.len() as i64);
+            }
+            assert_eq!(sel.physical, physical);
+            let got = sel.packed.csr.unwrap_or_else(|| unreachable!());
+            assert_eq!(got.offsets, want_offsets);
+            assert_eq!(got.indices, want_indices);
+        }
+    }
+
     #[test]
     fn validate_order_and_messages() {
         assert_eq!(validate(&[], &[], 0), Err(CoreError::OffsetsStart));
@@ -797,7 +933,11 @@ mod tests {
         assert_eq!(logical_totals(&sizes, Some(&[])), Ok((0, 0)));
         assert!(matches!(
             logical_totals(&sizes, Some(&[0, 4])),
-            Err(CoreError::SegmentIndexOutOfRange { at: 1, value: 4, .. })
+            Err(CoreError::SegmentIndexOutOfRange {
+                at: 1,
+                value: 4,
+                ..
+            })
         ));
         assert!(matches!(
             logical_totals(&sizes, Some(&[-1])),

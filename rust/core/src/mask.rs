@@ -6,10 +6,11 @@
 //! `-1` (wrapping or truncating it into a legal value).
 use crate::error::{CoreError, CoreResult};
 
-/// A borrowed 1-D loss mask in its original dtype. `U8` also carries `bool` masks.
+/// A borrowed 1-D loss mask in its original dtype. `U8` also carries `bool` masks, read as
+/// bytes: a bool array from numpy or torch can hold a byte other than 0 or 1, which is then
+/// reported like any other bad value.
 #[derive(Debug, Clone, Copy)]
 pub enum MaskView<'a> {
-    Bool(&'a [bool]),
     U8(&'a [u8]),
     I8(&'a [i8]),
     I32(&'a [i32]),
@@ -105,7 +106,6 @@ impl MaskView<'_> {
     #[must_use]
     pub fn len(&self) -> usize {
         match self {
-            Self::Bool(s) => s.len(),
             Self::U8(s) => s.len(),
             Self::I8(s) => s.len(),
             Self::I32(s) => s.len(),
@@ -122,10 +122,6 @@ impl MaskView<'_> {
 
     fn scan(&self) -> Scan {
         match *self {
-            Self::Bool(s) => Scan {
-                first_bad: None,
-                any_one: s.contains(&true),
-            },
             Self::U8(s) => scan(s),
             Self::I8(s) => scan(s),
             Self::I32(s) => scan(s),
@@ -138,7 +134,6 @@ impl MaskView<'_> {
     /// Append the mask as booleans. Call only after [`validate`] accepted it.
     fn extend_bools(&self, out: &mut Vec<bool>) {
         match *self {
-            Self::Bool(s) => out.extend_from_slice(s),
             Self::U8(s) => out.extend(s.iter().map(|&v| v != 0)),
             Self::I8(s) => out.extend(s.iter().map(|&v| v != 0)),
             Self::I32(s) => out.extend(s.iter().map(|&v| v != 0)),
@@ -247,7 +242,11 @@ pub fn extend_from_spans(
             });
         }
     }
-    out.reserve(total);
+    // Without `num_tokens` the total is unchecked: refuse one that cannot be allocated.
+    out.try_reserve(total)
+        .map_err(|_| CoreError::IndexOverflow {
+            what: "span lengths (the mask does not fit in memory)",
+        })?;
     for (&len, &flag) in lengths.iter().zip(trainable) {
         // Checked above: every length is non-negative and the sum fits.
         let n = usize::try_from(len).unwrap_or(0);

@@ -7,8 +7,9 @@ use pyo3::prelude::*;
 use crate::errors::PyCoreError;
 
 /// A read-only borrow of a 1-D mask array in one of the dtypes the core reads directly.
+/// Bool masks arrive as `uint8` views (`mmpack.masks.bools_as_bytes`): numpy can hold bytes
+/// other than 0 and 1 in a bool array, which a `&[bool]` must never see.
 pub enum MaskArr<'py> {
-    Bool(PyReadonlyArray1<'py, bool>),
     U8(PyReadonlyArray1<'py, u8>),
     I8(PyReadonlyArray1<'py, i8>),
     I32(PyReadonlyArray1<'py, i32>),
@@ -18,12 +19,9 @@ pub enum MaskArr<'py> {
 }
 
 impl<'py> MaskArr<'py> {
-    /// Borrow `obj`, a 1-D numpy array of bool, uint8, int8, int32, int64, float32 or float64
-    /// (the Python layer converts other dtypes). Anything else is a `TypeError`.
+    /// Borrow `obj`, a 1-D numpy array of uint8, int8, int32, int64, float32 or float64 (the
+    /// Python layer converts other dtypes). Anything else is a `TypeError`.
     pub fn borrow(obj: &Bound<'py, PyAny>) -> PyResult<Self> {
-        if let Ok(a) = obj.cast::<PyArray1<bool>>() {
-            return Ok(Self::Bool(a.try_readonly()?));
-        }
         if let Ok(a) = obj.cast::<PyArray1<u8>>() {
             return Ok(Self::U8(a.try_readonly()?));
         }
@@ -43,15 +41,14 @@ impl<'py> MaskArr<'py> {
             return Ok(Self::F64(a.try_readonly()?));
         }
         Err(PyTypeError::new_err(
-            "a loss mask must be a 1-D numpy array of bool, uint8, int8, int32, int64, float32 \
-             or float64",
+            "a loss mask must be a 1-D numpy array of uint8 (bool masks as uint8 views), int8, \
+             int32, int64, float32 or float64",
         ))
     }
 
     /// The borrowed slice; a non-contiguous array is a `TypeError`.
     pub fn view(&self) -> PyResult<MaskView<'_>> {
         Ok(match self {
-            Self::Bool(a) => MaskView::Bool(a.as_slice()?),
             Self::U8(a) => MaskView::U8(a.as_slice()?),
             Self::I8(a) => MaskView::I8(a.as_slice()?),
             Self::I32(a) => MaskView::I32(a.as_slice()?),

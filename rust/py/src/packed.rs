@@ -9,10 +9,10 @@ use mmpack_core::csr::{self, ConcatInput, Csr, Packed, Selection};
 use mmpack_core::intern::{prov_from_bytes, prov_to_bytes, ProvId};
 use mmpack_core::CoreError;
 use numpy::{IntoPyArray, PyArray1, PyArrayMethods};
-use pyo3::exceptions::{PyAssertionError, PyTypeError};
+use pyo3::exceptions::{PyAssertionError, PyAttributeError, PyTypeError};
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyList, PySet, PySetMethods, PyTuple};
+use pyo3::types::{PyBytes, PyList, PySet, PySetMethods, PyString, PyTuple};
 
 use crate::errors::PyCoreError;
 
@@ -172,11 +172,6 @@ impl PyPackedLayout {
     #[getter]
     fn num_rows(&self) -> usize {
         self.inner.rows()
-    }
-
-    #[getter]
-    fn num_refs(&self) -> usize {
-        self.inner.refs()
     }
 
     #[getter]
@@ -419,14 +414,42 @@ struct Input<'py> {
     layout: Option<Bound<'py, PyPackedLayout>>,
 }
 
+/// The `TypeError` for an input of `packed_concat` that is not PackedTensor-like.
+fn not_packed(value: &Bound<'_, PyAny>, at: usize, mode: u8, missing: &str) -> PyErr {
+    let op = match mode {
+        1 => "merge_segments",
+        2 => "flattened_concat",
+        _ => "concat",
+    };
+    let tp = value
+        .get_type()
+        .name()
+        .map_or_else(|_| "?".to_owned(), |n| n.to_string());
+    PyTypeError::new_err(format!(
+        "PackedTensor.{op}: from_packed_tensors[{at}] must be a PackedTensor, got {tp} \
+         (no attribute {missing:?})"
+    ))
+}
+
 fn read_value<'py>(
     value: &Bound<'py, PyAny>,
+    at: usize,
+    mode: u8,
     fallback: &mut Option<Bound<'py, PyAny>>,
 ) -> PyResult<(Input<'py>, Bound<'py, PyAny>, Bound<'py, PyAny>)> {
     let py = value.py();
-    let dim = value.getattr(intern!(py, "dim_to_pack"))?;
-    let pad = value.getattr(intern!(py, "pad_to_max_shape"))?;
-    let tensors = value.getattr(intern!(py, "tensors"))?;
+    let field = |name: &Bound<'py, PyString>| {
+        value.getattr(name).map_err(|e| {
+            if e.is_instance_of::<PyAttributeError>(py) {
+                not_packed(value, at, mode, &name.to_string_lossy())
+            } else {
+                e
+            }
+        })
+    };
+    let dim = field(intern!(py, "dim_to_pack"))?;
+    let pad = field(intern!(py, "pad_to_max_shape"))?;
+    let tensors = field(intern!(py, "tensors"))?;
     let layout = match value.getattr(intern!(py, "_layout")) {
         Ok(v) if v.is_none() || v.is_instance_of::<PyPackedLayout>() => v,
         _ => {
@@ -476,8 +499,8 @@ fn py_packed_concat<'py>(
     let mut inputs = Vec::new();
     let mut first: Option<(Bound<'py, PyAny>, Bound<'py, PyAny>)> = None;
     let (mut same_dim, mut same_pad) = (true, true);
-    for value in values.try_iter()? {
-        let (input, dim, pad) = read_value(&value?, &mut fallback)?;
+    for (at, value) in values.try_iter()?.enumerate() {
+        let (input, dim, pad) = read_value(&value?, at, mode, &mut fallback)?;
         match &first {
             None => first = Some((dim, pad)),
             Some((d0, p0)) => {
@@ -586,9 +609,11 @@ fn py_measure_segments(
     array_types: &Bound<'_, PyTuple>,
 ) -> PyResult<(u64, usize, u64, usize)> {
     let nbytes = intern!(py, "nbytes");
-    let overflow = || PyCoreError(CoreError::IndexOverflow {
-        what: "the physical byte count",
-    });
+    let overflow = || {
+        PyCoreError(CoreError::IndexOverflow {
+            what: "the physical byte count",
+        })
+    };
     let mut sizes = Vec::with_capacity(tensors.len());
     let (mut physical_bytes, mut physical_segments) = (0u64, 0usize);
     for item in tensors.iter() {

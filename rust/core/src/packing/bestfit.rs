@@ -50,7 +50,8 @@ fn fast(p: &Problem<'_>) -> Bins {
     let mut bin_seq = vec![0u32; n];
     let mut open = Bitset::new(c + 1);
     let max_items = u32::try_from(p.max_items).unwrap_or(u32::MAX);
-    for l in (1..=c).rev() {
+    // Zero lengths too (`allow_zero`): they join the fullest open bin like any other item.
+    for l in (0..=c).rev() {
         let (a, b) = (start[c - l], start[c - l + 1]);
         for slot in &mut bin_seq[a..b] {
             let (bin, rem) = match open.successor(l) {

@@ -19,8 +19,9 @@ pub(crate) fn concatenative(p: &Problem<'_>) -> Bins {
     let mut count: usize = 0;
     for (i, &l) in p.lens.iter().enumerate() {
         let m = p.media.map_or(0, |md| md[i]);
-        let fits = load.saturating_add(l) <= p.capacity
-            && mload.saturating_add(m) <= p.media_capacity
+        // checked, not saturating: a sum saturated at i64::MAX would "fit" a budget of i64::MAX
+        let fits = load.checked_add(l).is_some_and(|s| s <= p.capacity)
+            && mload.checked_add(m).is_some_and(|s| s <= p.media_capacity)
             && count < p.max_items;
         if !fits && count > 0 {
             offsets.push(i);

@@ -45,8 +45,8 @@ pub struct RankAssignment {
 /// to `num_ranks` ranks.
 ///
 /// # Errors
-/// `PackingArgument` for `num_ranks == 0` or malformed CSR / item indices, `IndexOverflow`
-/// when a cost overflows `i64`.
+/// `PackingArgument` for `num_ranks == 0`, a `num_ranks` whose per-rank arrays cannot be
+/// allocated, or malformed CSR / item indices; `IndexOverflow` when a cost overflows `i64`.
 pub fn assign_to_ranks(
     bin_offsets: &[i64],
     item_indices: &[i64],
@@ -85,33 +85,106 @@ pub fn assign_to_ranks(
     }
     let mut order: Vec<usize> = (0..nb).collect();
     order.sort_by_key(|&b| (Reverse(bin_costs[b]), b));
+    // The per-rank outputs are O(num_ranks), and more ranks than bins is legal (the extra
+    // ranks stay empty): allocate them fallibly, so an absurd count is a typed error, not an
+    // abort. Only the first `busy` ranks can get a bin (with at most one bin per rank, ties on
+    // load go to the lowest rank), so only they enter the heap.
+    let too_many = || {
+        arg(
+            "num_ranks",
+            format!("{num_ranks} ranks: the per-rank arrays do not fit in memory"),
+        )
+    };
+    let rank_array = |len: Option<usize>| -> CoreResult<Vec<i64>> {
+        let mut v = Vec::new();
+        v.try_reserve_exact(len.ok_or_else(too_many)?)
+            .map_err(|_| too_many())?;
+        Ok(v)
+    };
+    // Both arrays in one request first: an allocator that checks each request against memory
+    // (Linux's default overcommit heuristic) then refuses a total that two requests would pass.
+    drop(rank_array(
+        num_ranks.checked_mul(2).and_then(|n| n.checked_add(1)),
+    )?);
+    let mut rank_offsets = rank_array(num_ranks.checked_add(1))?;
+    let mut rank_costs = rank_array(Some(num_ranks))?;
+    let busy = num_ranks.min(nb);
     let cap = nb.div_ceil(num_ranks).max(1);
-    let mut heap: BinaryHeap<Reverse<(i64, usize)>> =
-        (0..num_ranks).map(|r| Reverse((0, r))).collect();
-    let mut per_rank: Vec<Vec<i64>> = vec![Vec::new(); num_ranks];
-    let mut rank_costs = vec![0i64; num_ranks];
+    let mut heap: BinaryHeap<Reverse<(i64, usize)>> = (0..busy).map(|r| Reverse((0, r))).collect();
+    let mut per_rank: Vec<Vec<i64>> = vec![Vec::new(); busy];
+    rank_costs.resize(busy, 0);
+    // When the ranks do not divide the bins, only `extra` ranks may take `cap` bins; once they
+    // have, the others stop at `base`, so counts differ by at most one.
+    let (base, extra) = (nb / num_ranks, nb % num_ranks);
+    let mut at_cap = 0usize;
     for b in order {
-        let Some(Reverse((load, r))) = heap.pop() else {
+        let mut next = heap.pop();
+        while let Some(Reverse((_, r))) = next {
+            if extra == 0 || at_cap < extra || per_rank[r].len() < base {
+                break;
+            }
+            next = heap.pop();
+        }
+        let Some(Reverse((load, r))) = next else {
             break;
         };
         let load = load.checked_add(bin_costs[b]).ok_or_else(overflow)?;
         per_rank[r].push(b as i64);
         rank_costs[r] = load;
+        if extra > 0 && per_rank[r].len() == cap {
+            at_cap += 1;
+        }
         if per_rank[r].len() < cap {
             heap.push(Reverse((load, r)));
         }
     }
-    let mut rank_offsets = Vec::with_capacity(num_ranks + 1);
     let mut bin_indices = Vec::with_capacity(nb);
     rank_offsets.push(0);
     for bins in per_rank {
         bin_indices.extend(bins);
         rank_offsets.push(bin_indices.len() as i64);
     }
+    rank_offsets.resize(num_ranks + 1, nb as i64);
+    rank_costs.resize(num_ranks, 0);
     Ok(RankAssignment {
         rank_offsets,
         bin_indices,
         rank_costs,
         bin_costs,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn more_ranks_than_bins_leaves_the_extra_ranks_empty() {
+        // bins of cost 5, 3, 2: one per rank, largest on rank 0
+        let r = assign_to_ranks(&[0, 1, 2, 3], &[0, 1, 2], &[3, 5, 2], 5, RankCost::Tokens);
+        let want = RankAssignment {
+            rank_offsets: vec![0, 1, 2, 3, 3, 3],
+            bin_indices: vec![1, 0, 2],
+            rank_costs: vec![5, 3, 2, 0, 0],
+            bin_costs: vec![3, 5, 2],
+        };
+        assert_eq!(r, Ok(want));
+    }
+
+    #[test]
+    fn rank_counts_beyond_memory_are_a_typed_error() {
+        for n in [usize::MAX, usize::MAX / 2, 1 << 62] {
+            let r = assign_to_ranks(&[0, 1], &[0], &[3], n, RankCost::Tokens);
+            assert!(
+                matches!(
+                    r,
+                    Err(CoreError::PackingArgument {
+                        name: "num_ranks",
+                        ..
+                    })
+                ),
+                "{r:?}"
+            );
+        }
+    }
 }
