@@ -57,6 +57,14 @@ def test_lengths_vs_roles_count_and_negative_length() -> None:
         masks.from_fragments([1], [2])
 
 
+def test_spans_past_int32_tokens_are_refused_without_allocating() -> None:
+    """Megatron's cu_seqlens are int32, so a longer sample is an error, not a 2**40-byte mask."""
+    with pytest.raises(MessageSpanError, match=r"sample 'big'.*past 2\*\*31 - 1"):
+        masks.from_roles([2**31, 1], ["user", "assistant"], sample_id="big")
+    with pytest.raises(MessageSpanError, match="past 2"):
+        masks.from_fragments([2**40], [True])
+
+
 def test_train_roles_must_not_be_a_bare_string() -> None:
     with pytest.raises(TypeError, match="single string"):
         masks.from_roles([1], ["assistant"], "assistant")

@@ -193,6 +193,9 @@ pub fn extend_validated(
     Ok(())
 }
 
+/// The most tokens one sample may have: Megatron's THD `cu_seqlens` are int32.
+pub const MAX_SAMPLE_TOKENS: usize = i32::MAX as usize;
+
 /// Append the mask of consecutive spans to `out`: span `i` has `lengths[i]` tokens, all set to
 /// `trainable[i]`. When `num_tokens` is given, the lengths must sum to it.
 ///
@@ -242,7 +245,16 @@ pub fn extend_from_spans(
             });
         }
     }
-    // Without `num_tokens` the total is unchecked: refuse one that cannot be allocated.
+    // A sample past `i32::MAX` tokens cannot be addressed by Megatron's int32 `cu_seqlens`, so
+    // no mask that long is useful; refusing it also bounds what an unchecked total allocates.
+    if total > MAX_SAMPLE_TOKENS {
+        return Err(CoreError::SpanMismatch {
+            sample: sample.to_owned(),
+            detail: format!(
+                "{what} lengths sum to {total} tokens, past 2**31 - 1, the most int32 cu_seqlens address"
+            ),
+        });
+    }
     out.try_reserve(total)
         .map_err(|_| CoreError::IndexOverflow {
             what: "span lengths (the mask does not fit in memory)",
@@ -343,6 +355,25 @@ mod tests {
         );
         let f = [0.0f32, 0.5];
         assert!(validate(MaskView::F32(&f), 2, false, "s").is_err());
+    }
+
+    #[test]
+    fn spans_past_int32_tokens_are_refused_before_allocating() {
+        let mut out = Vec::new();
+        let too_long = i64::from(i32::MAX) + 1;
+        for lengths in [
+            vec![too_long],
+            vec![i64::from(i32::MAX), 1],
+            vec![1 << 40, 1 << 40],
+        ] {
+            let flags = vec![true; lengths.len()];
+            let err = extend_from_spans(&lengths, &flags, None, "s", "message", &mut out);
+            assert!(
+                matches!(err, Err(CoreError::SpanMismatch { .. })),
+                "{lengths:?}"
+            );
+            assert_eq!(out.capacity(), 0);
+        }
     }
 
     #[test]
