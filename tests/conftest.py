@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -33,3 +35,22 @@ def pytest_runtest_call(item: pytest.Item):  # type: ignore[no-untyped-def]
     excinfo = outcome.excinfo
     if excinfo is not None and _is_panic(excinfo[1]):
         pytest.fail(f"a Rust panic reached Python in {item.nodeid}: {excinfo[1]!r}")
+
+
+# Energon fixtures shared by the test_energon_* and accounting tests; imported lazily so that
+# tests without Energon never load it.
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    """The tiny tokenizer the synthetic dataset writer builds in code (nothing downloaded)."""
+    from mmpack.energon.synthetic import build_tokenizer
+
+    return build_tokenizer()
+
+
+@pytest.fixture
+def worker() -> Iterator[Any]:
+    """Lesson 3: code that needs an Energon WorkerConfig gets it from a fixture."""
+    from mmpack.energon.testing import active_worker
+
+    with active_worker() as config:
+        yield config

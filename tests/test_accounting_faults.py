@@ -31,7 +31,7 @@ pytest.importorskip("megatron.energon")
 from megatron.energon import get_loader, get_train_dataset, stateless
 from mmpack.demos.sft import RunResult, _accounting
 from mmpack.energon import PackingEncoderConfig, PackingTaskEncoder, make_worker_config
-from mmpack.energon.synthetic import PATCH_SIZE, build_tokenizer, write_synthetic_dataset
+from mmpack.energon.synthetic import PATCH_SIZE, write_synthetic_dataset
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:.*pin_memory.*:UserWarning"),
@@ -103,11 +103,6 @@ class FaultyEncoder(PackingTaskEncoder):
             if self.faults.get(s.__key__) == "raise_in_pack":
                 raise InjectedFault(f"injected fault while packing {s.__key__}")
         return super().pack_selected_samples(samples)
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Any:
-    return build_tokenizer()
 
 
 @pytest.fixture(scope="module")

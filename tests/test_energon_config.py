@@ -10,15 +10,9 @@ import pytest
 pytest.importorskip("megatron.energon")
 
 from mmpack.energon import PackingEncoderConfig, PackingTaskEncoder, resolve_media_settings
-from mmpack.energon.synthetic import build_tokenizer
 from mmpack.errors import EnergonConfigError, MmpackError, ModalityConfigError
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "configs"
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Any:
-    return build_tokenizer()
 
 
 def test_defaults_are_finite_and_valid() -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import json
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,22 +23,9 @@ from mmpack.energon import (
     cook_fragments,
     cook_generic,
 )
-from mmpack.energon.synthetic import build_tokenizer
 from mmpack.energon.testing import active_worker
 from mmpack.errors import SampleFormatError
 from PIL import Image
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Any:
-    return build_tokenizer()
-
-
-@pytest.fixture
-def worker() -> Iterator[Any]:
-    """Energon hooks with ``restore_seeds=True`` need an active WorkerConfig (lesson 3)."""
-    with active_worker() as config:
-        yield config
 
 
 def png(width: int, height: int, value: int = 7) -> bytes:

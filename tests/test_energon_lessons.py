@@ -26,8 +26,7 @@ from mmpack.energon import (
     make_worker_config,
     stateless_with_tolerance,
 )
-from mmpack.energon.synthetic import PATCH_SIZE, build_tokenizer, write_synthetic_dataset
-from mmpack.energon.testing import active_worker
+from mmpack.energon.synthetic import PATCH_SIZE, write_synthetic_dataset
 from mmpack.errors import EnergonConfigError, ModalityConfigError, TurnStructureError
 
 pytestmark = [
@@ -38,18 +37,6 @@ pytestmark = [
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples" / "configs"
 AUDIO_OK = {"patch_size": 16, "sampling_rate": 16000, "hop_length": 160, "downsample_factor": 4}
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Any:
-    return build_tokenizer()
-
-
-@pytest.fixture
-def worker() -> Iterator[Any]:
-    """Lesson 3: code that needs an Energon WorkerConfig gets it from a fixture."""
-    with active_worker() as config:
-        yield config
 
 
 def make_encoder(

@@ -20,7 +20,7 @@ from mmpack.energon import (
     make_worker_config,
     restore_loader_state,
 )
-from mmpack.energon.synthetic import PATCH_SIZE, build_tokenizer, write_synthetic_dataset
+from mmpack.energon.synthetic import PATCH_SIZE, write_synthetic_dataset
 from mmpack.energon.testing import active_worker, batch_digest
 from mmpack.errors import EnergonConfigError
 
@@ -31,11 +31,6 @@ pytestmark = [
 
 CAPACITY = 512
 N_SAMPLES = 160
-
-
-@pytest.fixture(scope="module")
-def tokenizer() -> Any:
-    return build_tokenizer()
 
 
 @pytest.fixture(scope="module")
