@@ -65,10 +65,22 @@ bench: build-release  ## every benchmark, side by side with the plain-Python ref
 .PHONY: wheel
 wheel: venv  ## release wheel (fat LTO) into dist/, installed into a fresh venv and used there
 	rm -rf dist && maturin build --release --locked --out dist
+	$(PY) -c "$$WHEEL_CONTENTS" dist/mmpack-*.whl
 	rm -rf $(VENV)-wheel && python3 -m venv $(VENV)-wheel
 	$(VENV)-wheel/bin/pip install -q -c constraints.txt numpy
 	$(VENV)-wheel/bin/pip install -q --no-deps dist/mmpack-*.whl
 	cd / && $(abspath $(VENV))-wheel/bin/python -c "$$WHEEL_SMOKE"
+
+# The wheel ships the product only: no test oracle, no tests, no benches.
+define WHEEL_CONTENTS
+import sys, zipfile
+names = zipfile.ZipFile(sys.argv[1]).namelist()
+bad = [n for n in names if "reference" in n or n.startswith(("tests/", "benches/"))]
+assert not bad, f"wheel contains development-only files: {bad}"
+assert "mmpack/packed.py" in names and "mmpack/py.typed" in names, names
+print(f"wheel contents OK: {len(names)} files, no test oracle")
+endef
+export WHEEL_CONTENTS
 
 # Run from / so the source tree cannot shadow the installed wheel; torch is not installed there,
 # which also proves that packing and masks need numpy alone.

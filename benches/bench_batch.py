@@ -5,8 +5,8 @@ Rows (median wall time over the repeats, same inputs on both sides):
 * ``pack_samples``: 64 samples of 16-400 tokens, 2-6 alternating user/assistant messages each,
   a ``pixel_values`` PackedTensor (dedup-enabled) on every third sample, into one pack
   (``pad_to_multiple_of=8``, ``cp_size=2``), in both loss-mask modes. Reference: the per-sample
-  torch builder in ``mmpack._reference.batch`` with NeMo-RL's PackedTensor
-  (``mmpack._reference.packed_tensor``); mmpack: one native call plus ``mmpack.PackedTensor``.
+  torch builder in ``tests/reference/batch.py`` with NeMo-RL's PackedTensor
+  (``tests/reference/packed_tensor.py``); mmpack: one native call plus ``mmpack.PackedTensor``.
 * ``masks.validate`` of a 1M-token mask (int64, uint8 and bool torch tensors, all valid, so
   every value is read; a bool mask cannot hold a bad value, so only its length is checked).
   Reference: elementwise torch checks with the first bad position
@@ -30,12 +30,16 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import sys
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the plain-Python references
+
 import numpy as np
 import torch
 from mmpack import PackedTensor, masks
-from mmpack._reference import batch as ref_batch
-from mmpack._reference import masks as ref_masks
-from mmpack._reference.packed_tensor import PackedTensor as RefPackedTensor
+from reference import batch as ref_batch
+from reference import masks as ref_masks
+from reference.packed_tensor import PackedTensor as RefPackedTensor
 from mmpack.batch import EncodedSample, pack_samples
 
 

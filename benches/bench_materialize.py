@@ -26,8 +26,12 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import sys
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the plain-Python references
+
 from mmpack import payload
-from mmpack._reference.packed_tensor import PackedTensor as RefPT
+from reference.packed_tensor import PackedTensor as RefPT
 from mmpack.packed import PackedTensor
 
 G = 16

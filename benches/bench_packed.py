@@ -37,10 +37,13 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the plain-Python references
+
 import mmpack
 import numpy as np
 import torch
-from mmpack._reference.packed_tensor import PackedTensor as Ref
+from reference.packed_tensor import PackedTensor as Ref
 from mmpack.demos.rl import expand_mmpack, expand_reference, make_images, per_prompt_values
 
 MM: Any = mmpack.PackedTensor

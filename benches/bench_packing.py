@@ -24,9 +24,13 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the plain-Python references
+
 import mmpack
 import numpy as np
-from mmpack._reference import packing as ref
+from reference import packing as ref
 from mmpack.packing import get_packer, pack
 
 NEMO = (

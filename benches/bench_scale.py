@@ -11,7 +11,7 @@ Cases, each in a fresh subprocess so its peak resident memory (``VmHWM``) is its
   and ``assign_to_ranks`` over 64 ranks.
 * ``repeat``: M small operations, cycling through: construct a 4-row ``PackedTensor``,
   ``slice``, ``concat``, ``pack`` of 16 lengths, ``masks.validate``; RSS is sampled every M/10.
-* ``reference``: the plain-Python reference (NeMo-RL's algorithms, ``mmpack._reference``) on the
+* ``reference``: the plain-Python reference (NeMo-RL's algorithms, ``tests/reference``) on the
   ``packed`` and ``packing`` workloads at a size it finishes in (``--reference-n``, default N/100):
   the baseline for memory per row.
 
@@ -33,6 +33,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the plain-Python references
 
 FULL_N = 10_000_000
 FULL_OPS = 1_000_000
@@ -197,8 +199,8 @@ def case_repeat(ops: int) -> dict[str, Any]:
 def case_reference(n: int) -> dict[str, Any]:
     import numpy as np
     import torch
-    from mmpack._reference import packing as ref_packing
-    from mmpack._reference.packed_tensor import PackedTensor as Ref
+    from reference import packing as ref_packing
+    from reference.packed_tensor import PackedTensor as Ref
 
     base_rss = rss_mib()
     rng = np.random.default_rng(0)

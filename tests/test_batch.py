@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 from mmpack import PackedTensor
-from mmpack._reference import batch as ref_batch
-from mmpack._reference.packed_tensor import PackedTensor as RefPackedTensor
+from reference import batch as ref_batch
+from reference.packed_tensor import PackedTensor as RefPackedTensor
 from mmpack.batch import EncodedSample, PackedBatch, pack_samples
 from mmpack.errors import (
     BatchMediaError,

@@ -7,7 +7,7 @@ import numpy as np
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from mmpack._reference import batch as ref_batch
+from reference import batch as ref_batch
 from mmpack.batch import EncodedSample, pack_samples
 from mmpack.errors import MmpackError
 

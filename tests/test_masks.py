@@ -11,7 +11,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from mmpack import masks
-from mmpack._reference import masks as ref
+from reference import masks as ref
 from mmpack.errors import (
     IndexOverflowError,
     LossMaskError,

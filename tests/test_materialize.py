@@ -1,7 +1,7 @@
 """Native materialization (``mmpack._materialize``) against the plain torch path.
 
 The oracle is NeMo-RL's algorithm as the plain-Python reference ``PackedTensor`` implements it
-(``mmpack._reference.packed_tensor``): build the logical list, drop ``None`` s, pad, ``torch.cat``.
+(``tests/reference/packed_tensor.py``): build the logical list, drop ``None`` s, pad, ``torch.cat``.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from mmpack import _materialize, _native
-from mmpack._reference.packed_tensor import PackedTensor as RefPT
+from reference.packed_tensor import PackedTensor as RefPT
 from mmpack.errors import (
     GatherIndexError,
     GatherSizeError,

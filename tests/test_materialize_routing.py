@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 from mmpack import _materialize
-from mmpack._reference.packed_tensor import PackedTensor as RefPT
+from reference.packed_tensor import PackedTensor as RefPT
 from mmpack.batch import EncodedSample, pack_samples
 from mmpack.errors import OutBufferError, PinMemoryUnavailableError
 from mmpack.packed import PackedTensor

@@ -1,5 +1,5 @@
 """Property tests: random sequences of PackedTensor operations give the same results in
-``mmpack.PackedTensor`` and in the plain-Python reference (``mmpack._reference``).
+``mmpack.PackedTensor`` and in the plain-Python reference (``tests/reference``).
 
 A hypothesis state machine keeps a pool of (reference, mmpack) pairs built the same way and applies
 random operations to both: construction (legacy lists with ``None`` entries and mixed dtypes,
@@ -31,7 +31,7 @@ from hypothesis.stateful import (
     multiple,
     rule,
 )
-from mmpack._reference.packed_tensor import PackedTensor as Ref
+from reference.packed_tensor import PackedTensor as Ref
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float64, torch.int64, torch.int32]
 CAST_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64]

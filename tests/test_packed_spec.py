@@ -1,6 +1,6 @@
 """Concrete tests of PackedTensor semantics, one per case of the NeMo-RL spec.
 
-Every test runs against both implementations: ``reference`` (``mmpack._reference``, the plain-Python
+Every test runs against both implementations: ``reference`` (``tests/reference``, the plain-Python
 oracle written from the spec) and ``mmpack`` (the fast class users import).
 
 Covered: spec section 6.1 cases 1-26 (``test_s61_*``), the PackedTensor cases of section 6.6
@@ -37,7 +37,7 @@ IMPLS = ["reference", "mmpack"]
 @pytest.fixture(params=IMPLS)
 def P(request: pytest.FixtureRequest) -> Any:
     if request.param == "reference":
-        from mmpack._reference.packed_tensor import PackedTensor
+        from reference.packed_tensor import PackedTensor
     else:
         from mmpack import PackedTensor
     return PackedTensor

@@ -9,7 +9,7 @@ import random
 import numpy as np
 import pytest
 from mmpack import errors
-from mmpack._reference import packing as ref
+from reference import packing as ref
 from mmpack.packing import (
     ALGORITHMS,
     Packing,

@@ -10,7 +10,7 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 from mmpack import errors
-from mmpack._reference import packing as ref
+from reference import packing as ref
 from mmpack.packing import ALGORITHMS, PackingAlgorithm, get_packer, pack
 from test_packing import check_invariants
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from mmpack import payload
-from mmpack._reference.packed_tensor import PackedTensor as RefPT
+from reference.packed_tensor import PackedTensor as RefPT
 from mmpack.packed import PackedTensor as NativePT
 
 # mmpack's class and the plain reference (which has NeMo-RL's attributes): measure duck-types

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-from mmpack._reference import masks as ref_masks
+from reference import masks as ref_masks
 from mmpack.batch import EncodedSample, PackedBatch, merge_media
 from mmpack.errors import (
     BatchOptionError,
