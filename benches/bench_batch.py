@@ -25,22 +25,23 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import sys
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the plain-Python references
+sys.path.insert(
+    0, str(Path(__file__).resolve().parents[1] / "tests")
+)  # the plain-Python references
 
 import numpy as np
 import torch
 from mmpack import PackedTensor, masks
+from mmpack.batch import EncodedSample, pack_samples
 from reference import batch as ref_batch
 from reference import masks as ref_masks
 from reference.packed_tensor import PackedTensor as RefPackedTensor
-from mmpack.batch import EncodedSample, pack_samples
 
 
 def _median(fn: Callable[[], Any], repeats: int) -> float:

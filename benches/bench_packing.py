@@ -22,16 +22,18 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the plain-Python references
+sys.path.insert(
+    0, str(Path(__file__).resolve().parents[1] / "tests")
+)  # the plain-Python references
 
 import mmpack
 import numpy as np
+from mmpack.compat.nemo_rl_packing import get_packer
+from mmpack.packing import pack
 from reference import packing as ref
-from mmpack.packing import get_packer, pack
 
 NEMO = (
     "concatenative",

@@ -11,8 +11,6 @@ import numpy as np
 import pytest
 import torch
 from mmpack import PackedTensor
-from reference import batch as ref_batch
-from reference.packed_tensor import PackedTensor as RefPackedTensor
 from mmpack.batch import EncodedSample, PackedBatch, pack_samples
 from mmpack.errors import (
     BatchMediaError,
@@ -25,8 +23,10 @@ from mmpack.errors import (
     MissingFieldError,
     MmpackError,
 )
+from reference import batch as ref_batch
+from reference.packed_tensor import PackedTensor as RefPackedTensor
 
-# The worked example (lessons from NeMo-RL PR #4108): 2 turns, 1 image, 7 tokens, 3 of them the
+# The worked example of the mmpack.batch docstring: 2 turns, 1 image, 7 tokens, 3 of them the
 # assistant's answer. <user> <image> what ? | <asst> cat </s>
 IMAGE_TOKEN = 90
 TOKENS = np.array([10, IMAGE_TOKEN, 11, 12, 20, 21, 22], dtype=np.int64)

@@ -7,9 +7,9 @@ import numpy as np
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from reference import batch as ref_batch
 from mmpack.batch import EncodedSample, pack_samples
 from mmpack.errors import MmpackError
+from reference import batch as ref_batch
 
 ROLES = ["system", "user", "assistant", "tool"]
 

@@ -33,7 +33,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from mmpack import PackedTensor, masks, packing, payload
 from mmpack.batch import EncodedSample, pack_samples
-from mmpack.compat import nemo_rl
+from mmpack.compat import nemo_rl, nemo_rl_packing
 from mmpack.errors import MmpackError, UnsafePickleError
 
 #: what hostile input may raise: mmpack's typed errors (all ValueError) and the builtin types
@@ -102,15 +102,19 @@ SCALAR_SITES: dict[str, tuple[Callable[[Any], Any], list[int]]] = {
         [0, -1],
     ),
     "get_packer.bin_capacity": (
-        lambda v: packing.get_packer("FIRST_FIT_DECREASING", v).pack([1, 2]),
+        lambda v: nemo_rl_packing.get_packer("FIRST_FIT_DECREASING", v).pack([1, 2]),
         [0, -1],
     ),
     "get_packer.min_bin_count": (
-        lambda v: packing.get_packer("FIRST_FIT_DECREASING", 4, min_bin_count=v).pack([1, 2]),
+        lambda v: nemo_rl_packing.get_packer("FIRST_FIT_DECREASING", 4, min_bin_count=v).pack(
+            [1, 2]
+        ),
         [-1, 3],
     ),
     "get_packer.bin_count_multiple": (
-        lambda v: packing.get_packer("FIRST_FIT_DECREASING", 4, bin_count_multiple=v).pack([1]),
+        lambda v: nemo_rl_packing.get_packer("FIRST_FIT_DECREASING", 4, bin_count_multiple=v).pack(
+            [1]
+        ),
         [0, -1],
     ),
     "PackedTensor.repeat_interleave": (lambda v: _pt().repeat_interleave(v), [-1]),
@@ -330,7 +334,7 @@ def test_pack_rejects_bad_options(kwargs: dict[str, Any]) -> None:
 
 @pytest.mark.parametrize("packer_arg", ["nope", None, 3, object()], ids=repr)
 def test_get_packer_rejects_unknown_algorithms(packer_arg: Any) -> None:
-    must_raise(lambda: packing.get_packer(packer_arg, 10))
+    must_raise(lambda: nemo_rl_packing.get_packer(packer_arg, 10))
 
 
 @pytest.mark.parametrize(
@@ -339,7 +343,7 @@ def test_get_packer_rejects_unknown_algorithms(packer_arg: Any) -> None:
     ids=repr,
 )
 def test_sequence_packer_rejects_bad_lengths(seqs: list[Any]) -> None:
-    must_raise(lambda: packing.get_packer("FIRST_FIT_DECREASING", 10).pack(seqs))
+    must_raise(lambda: nemo_rl_packing.get_packer("FIRST_FIT_DECREASING", 10).pack(seqs))
 
 
 def test_assign_to_ranks_rejects_non_packings() -> None:

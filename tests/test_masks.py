@@ -11,7 +11,6 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from mmpack import masks
-from reference import masks as ref
 from mmpack.errors import (
     IndexOverflowError,
     LossMaskError,
@@ -19,6 +18,7 @@ from mmpack.errors import (
     MmpackError,
     TurnStructureError,
 )
+from reference import masks as ref
 
 
 def test_from_roles_assistant_only() -> None:

@@ -1,5 +1,5 @@
-"""mmpack.packing: concrete cases (NeMo-RL spec §4.4 / §6.3), the public API, one test per
-error, rank assignment, the NeMo-RL facade and its metrics."""
+"""mmpack.packing: concrete cases (NeMo-RL spec §4.4 / §6.3), the public API and one test per
+error. NeMo-RL's packer API: test_packing_nemo_rl.py; rank assignment: test_packing_ranks.py."""
 
 from __future__ import annotations
 
@@ -9,17 +9,9 @@ import random
 import numpy as np
 import pytest
 from mmpack import errors
+from mmpack.compat.nemo_rl_packing import get_packer
+from mmpack.packing import ALGORITHMS, Packing, pack
 from reference import packing as ref
-from mmpack.packing import (
-    ALGORITHMS,
-    Packing,
-    PackingAlgorithm,
-    PackingMetrics,
-    SequencePacker,
-    assign_to_ranks,
-    get_packer,
-    pack,
-)
 
 SMALL = [10, 20, 30, 40, 50, 60, 70, 80, 90]
 SAME = [30] * 5
@@ -101,15 +93,6 @@ def test_spec_concrete_outputs(
     assert ref.get_packer(algorithm, capacity).pack(lengths) == expected
 
 
-def test_spec_mffd_with_constraints_and_shard_loads() -> None:
-    lengths = [46, 24, 55, 88, 11, 14, 73, 17]
-    packer = get_packer("modified_first_fit_decreasing", 100, None, 2, 2)
-    bins = packer.pack(lengths)
-    assert bins == [[3, 4], [6, 5], [2, 7, 1], [0]]
-    loads = [sum(lengths[i] for i in b) for b in bins]
-    assert loads[:2] == [99, 87] and loads[2:] == [96, 46]
-
-
 @pytest.mark.parametrize(
     ("algorithm", "expected"),
     [
@@ -122,116 +105,6 @@ def test_spec_min_bin_count_examples(algorithm: str, expected: list[list[int]]) 
     assert pack(SMALL, 100, algorithm=algorithm, min_bins=8).bins() == expected
 
 
-@pytest.mark.parametrize("algorithm", list(PackingAlgorithm))
-def test_spec_empty_and_single(algorithm: PackingAlgorithm) -> None:
-    assert get_packer(algorithm, 100).pack([]) == []
-    assert get_packer(algorithm, 100).pack([50]) == [[0]]
-    assert get_packer(algorithm, 100, bin_count_multiple=4).pack([]) == []
-
-
-@pytest.mark.parametrize("algorithm", list(PackingAlgorithm))
-def test_spec_too_long_for_every_algorithm(algorithm: PackingAlgorithm) -> None:
-    with pytest.raises(ValueError, match="Sequence length 150 exceeds bin capacity 100"):
-        get_packer(algorithm, 100).pack([50, 150, 70])
-
-
-def test_spec_first_fit_decreasing_reports_the_largest() -> None:
-    with pytest.raises(errors.ItemTooLargeError, match="Sequence length 300 exceeds"):
-        get_packer("first_fit_decreasing", 100).pack([150, 300, 200])
-    with pytest.raises(errors.ItemTooLargeError, match="Sequence length 150 exceeds"):
-        get_packer("concatenative", 100).pack([150, 300, 200])
-
-
-@pytest.mark.parametrize("algorithm", list(PackingAlgorithm))
-def test_spec_random_inputs_and_constraints_match_reference(
-    algorithm: PackingAlgorithm,
-) -> None:
-    rnd = random.Random(42)
-    for n in (100, 100, 100):
-        lengths = [rnd.randint(10, 90) for _ in range(n)]
-        natural = len(ref.get_packer(algorithm.name, 100).pack(lengths))
-        for kwargs in (
-            {},
-            {"min_bin_count": natural},
-            {"min_bin_count": natural + 2},
-            {"bin_count_multiple": 4},
-            {"min_bin_count": natural + 1, "bin_count_multiple": 3},
-        ):
-            random.seed(7)
-            ours = get_packer(algorithm, 100, **kwargs).pack(lengths)
-            random.seed(7)
-            theirs = ref.get_packer(algorithm.name, 100, **kwargs).pack(lengths)
-            assert ours == theirs
-            assert all(ours)
-
-
-def test_spec_insufficient_sequences() -> None:
-    with pytest.raises(errors.BinCountError, match="Cannot create 3 bins with only 2 sequences"):
-        get_packer("first_fit_decreasing", 100, min_bin_count=3).pack([50, 50])
-    with pytest.raises(ValueError, match="Cannot create 4 bins with only 2 sequences"):
-        get_packer("concatenative", 100, bin_count_multiple=4).pack([50, 50])
-    with pytest.raises(errors.BinCountError, match="Cannot create 1 bins with only 0 sequences"):
-        get_packer("concatenative", 100, min_bin_count=1).pack([])
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "message"),
-    [
-        ({"min_bin_count": -1}, "min_bin_count must be nonnegative"),
-        ({"bin_count_multiple": 0}, "bin_count_multiple must be positive"),
-        ({"bin_count_multiple": -5}, "bin_count_multiple must be positive"),
-    ],
-)
-def test_spec_constraint_errors(kwargs: dict[str, int], message: str) -> None:
-    with pytest.raises(errors.PackingArgumentError, match=message):
-        get_packer("first_fit_decreasing", 100, **kwargs)
-
-
-@pytest.mark.parametrize(
-    "kwargs",
-    [{"min_bin_count": 2**64}, {"min_bin_count": "3"}, {"bin_count_multiple": 2**63}],
-    ids=repr,
-)
-def test_spec_constraint_types_and_int64(kwargs: dict[str, object]) -> None:
-    name = next(iter(kwargs))
-    with pytest.raises(errors.PackingArgumentError, match=f"invalid packing argument {name}"):
-        get_packer("first_fit_decreasing", 100, **kwargs)  # type: ignore[arg-type]
-
-
-def test_bin_capacity_is_checked_when_packing() -> None:
-    for bad, message in ((0, "bin_capacity must be positive"), (2**63, "<= 2"), (1.5, "integer")):
-        packer = get_packer("first_fit_decreasing", bad)  # type: ignore[arg-type]
-        with pytest.raises(errors.PackingArgumentError, match=message):
-            packer.pack([1])
-
-
-def test_get_packer_names_and_errors() -> None:
-    for algorithm in PackingAlgorithm:
-        packer = get_packer(algorithm, 100)
-        assert isinstance(packer, SequencePacker)
-        assert type(get_packer(algorithm.name.lower(), 100)) is type(packer)
-        assert type(get_packer(ref.PackingAlgorithm[algorithm.name], 100)) is type(packer)
-    with pytest.raises(ValueError, match=r"Unknown packing algorithm: nope\. Available"):
-        get_packer("nope", 100)
-    with pytest.raises(errors.PackingArgumentError, match="Unknown packing algorithm"):
-        get_packer(object(), 100)  # type: ignore[arg-type]
-    packer = get_packer("concatenative", 7, True, 2, 3)
-    assert (packer.bin_capacity, packer.collect_metrics) == (7, True)
-    assert (packer.min_bin_count, packer.bin_count_multiple) == (2, 3)
-
-
-def test_first_fit_shuffle_uses_and_advances_the_global_random_state() -> None:
-    lengths = [random.Random(3).randint(1, 100) for _ in range(300)]
-    random.seed(42)
-    ours = get_packer("first_fit_shuffle", 100).pack(lengths)
-    after_ours = random.random()
-    random.seed(42)
-    theirs = ref.get_packer("first_fit_shuffle", 100).pack(lengths)
-    after_theirs = random.random()
-    assert ours == theirs
-    assert after_ours == after_theirs
-
-
 def test_pack_first_fit_shuffle_seed_is_random_random_seed() -> None:
     lengths = [random.Random(5).randint(1, 100) for _ in range(200)]
     state = random.getstate()
@@ -242,46 +115,6 @@ def test_pack_first_fit_shuffle_seed_is_random_random_seed() -> None:
     assert a.bins() == expected
     b = pack(lengths, 100, algorithm="first_fit_shuffle", seed=12)
     assert a.bins() != b.bins()
-
-
-def test_facade_metrics_match_reference() -> None:
-    ours = get_packer("modified_first_fit_decreasing", 100, collect_metrics=True)
-    theirs = ref.get_packer("modified_first_fit_decreasing", 100, collect_metrics=True)
-    for lengths in (MEDIUM, SMALL, SAME):
-        assert ours.pack(lengths) == theirs.pack(lengths)
-    assert ours.get_aggregated_metrics() == theirs.get_aggregated_metrics()
-    bins = ours.pack(MEDIUM)
-    stats = ours.compute_metrics(MEDIUM, bins)
-    assert stats == theirs.compute_metrics(MEDIUM, bins)
-    assert stats["num_bins"] == 10 and stats["total_sequence_length"] == 975
-    assert stats["average_utilization"] == 0.975 and stats["bin_efficiency"] == 1.0
-    assert abs(stats["bin_balance"] - 0.95016) < 1e-5
-    ours.reset_metrics()
-    assert ours.get_aggregated_metrics() == {}
-    assert get_packer("concatenative", 100).get_aggregated_metrics() == {}
-    assert PackingMetrics().calculate_stats_only([], [], 100)["num_bins"] == 0
-
-
-def test_print_metrics(capsys: pytest.CaptureFixture[str]) -> None:
-    get_packer("concatenative", 100).print_metrics()
-    assert "not enabled" in capsys.readouterr().out
-    packer = get_packer("concatenative", 100, collect_metrics=True)
-    packer.print_metrics()
-    assert "No metrics collected yet." in capsys.readouterr().out
-    packer.pack(SMALL)
-    packer.print_metrics()
-    assert "Total bins used: 6" in capsys.readouterr().out
-
-
-def test_facade_zero_lengths_like_nemo_rl() -> None:
-    lengths = [0, 5, 0, 10, 0]
-    for name in ("concatenative", "first_fit_decreasing", "first_fit_shuffle"):
-        random.seed(1)
-        ours = get_packer(name, 10).pack(lengths)
-        random.seed(1)
-        assert ours == ref.get_packer(name, 10).pack(lengths)
-    with pytest.raises(ValueError, match="sequence lengths must be positive"):
-        get_packer("modified_first_fit_decreasing", 10).pack(lengths)
 
 
 # ----------------------------------------------------------------------------- pack()
@@ -469,58 +302,6 @@ def test_error_native_arguments_are_typed() -> None:
         _native.assign_to_ranks(np.array([0, 3]), lengths, lengths, 0, "tokens")
     with pytest.raises(errors.PackingArgumentError, match="item 7 is out of range"):
         _native.assign_to_ranks(np.array([0, 1]), np.array([7]), lengths, 1, "tokens")
-
-
-# ----------------------------------------------------------------------------- ranks
-
-
-def test_assign_to_ranks_balances_and_orders() -> None:
-    rnd = random.Random(1)
-    lengths = [rnd.randint(1, 1000) for _ in range(5000)]
-    p = pack(lengths, 1000, bins_multiple_of=8)
-    for cost in ("tokens", "tokens_squared"):
-        a = assign_to_ranks(p, 8, cost=cost)
-        ranks = a.ranks()
-        assert a.num_ranks == 8
-        assert sorted(b for r in ranks for b in r) == list(range(p.num_bins))
-        assert len({len(r) for r in ranks}) == 1, "equal bin counts when divisible"
-        for r, bins in enumerate(ranks):
-            costs = [a.bin_costs[b] for b in bins]
-            assert costs == sorted(costs, reverse=True)
-            assert sum(costs) == a.rank_costs[r]
-        assert 1.0 <= a.imbalance < 1.01
-    squared = assign_to_ranks(p, 8, cost="tokens_squared")
-    b0 = p.bin(0).tolist()
-    assert squared.bin_costs[0] == sum(lengths[i] ** 2 for i in b0)
-
-
-def test_assign_to_ranks_uneven_and_errors() -> None:
-    p = pack([5, 5, 5], 5)
-    a = assign_to_ranks(p, 2)
-    assert sorted(len(r) for r in a.ranks()) == [1, 2]
-    assert a.imbalance == pytest.approx(10 / 7.5)
-    assert assign_to_ranks(pack([], 5), 3).imbalance == 1.0
-    with pytest.raises(errors.PackingArgumentError, match="num_ranks"):
-        assign_to_ranks(p, 0)
-    with pytest.raises(errors.PackingArgumentError, match="cost"):
-        assign_to_ranks(p, 2, cost="flops")
-    truncated = pack([5, 50], 10, on_oversize="truncate")
-    assert assign_to_ranks(truncated, 1).rank_costs.tolist() == [15]
-    with pytest.raises(TypeError, match="needs a Packing"):
-        assign_to_ranks(None, 2)  # type: ignore[arg-type]
-
-
-def test_assign_to_ranks_more_ranks_than_bins() -> None:
-    """Empty ranks are fine; a rank count whose arrays cannot exist is a typed error."""
-    p = pack([5, 3, 2], 5)  # bins [5], [3, 2]
-    a = assign_to_ranks(p, 5)
-    assert a.ranks() == [[0], [1], [], [], []]
-    assert a.rank_costs.tolist() == [5, 5, 0, 0, 0]
-    for huge in (2**62, 2**63 - 1):  # in int64, but the per-rank arrays overflow memory
-        with pytest.raises(errors.PackingArgumentError, match=r"num_ranks.*do not fit in memory"):
-            assign_to_ranks(p, huge)
-    with pytest.raises(errors.PackingArgumentError, match=r"num_ranks: must be <= 2\*\*63 - 1"):
-        assign_to_ranks(p, 2**63)
 
 
 @pytest.mark.parametrize("algorithm", ALGORITHMS)

@@ -10,8 +10,10 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 from mmpack import errors
+from mmpack.compat import nemo_rl_packing
+from mmpack.compat.nemo_rl_packing import PackingAlgorithm, get_packer
+from mmpack.packing import ALGORITHMS, pack
 from reference import packing as ref
-from mmpack.packing import ALGORITHMS, PackingAlgorithm, get_packer, pack
 from test_packing import check_invariants
 
 
@@ -45,9 +47,7 @@ def nemo_cases(draw: st.DrawFn) -> tuple[str, int, list[int], dict, int]:
 @given(nemo_cases())
 def test_nemo_algorithms_equal_reference(case: tuple[str, int, list[int], dict, int]) -> None:
     algorithm, capacity, lengths, kwargs, seed = case
-    ours = _run(
-        __import__("mmpack.packing", fromlist=["x"]), algorithm, capacity, lengths, kwargs, seed
-    )
+    ours = _run(nemo_rl_packing, algorithm, capacity, lengths, kwargs, seed)
     theirs = _run(ref, algorithm, capacity, lengths, kwargs, seed)
     assert ours == theirs
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 from mmpack import PackedTensor, masks, packing
 from mmpack.batch import EncodedSample, pack_samples
+from mmpack.compat import nemo_rl_packing
 from mmpack.errors import LossMaskError
 
 N_THREADS = 8
@@ -76,7 +77,9 @@ def _work(inp: dict[str, Any]) -> dict[str, Any]:
     for alg in ("best_fit_decreasing", "first_fit_decreasing", "first_fit_shuffle"):
         p = packing.pack(inp["lengths"], 1024, algorithm=alg, seed=3)
         out[f"pack:{alg}"] = (p.bin_offsets.tobytes(), p.item_indices.tobytes())
-    ffd = packing.get_packer("FIRST_FIT_DECREASING", 1024).pack(inp["lengths"][:2000].tolist())
+    ffd = nemo_rl_packing.get_packer("FIRST_FIT_DECREASING", 1024).pack(
+        inp["lengths"][:2000].tolist()
+    )
     out["get_packer"] = ffd
     value: PackedTensor = inp["value"]
     sliced = value.slice(inp["rows"])

@@ -31,20 +31,21 @@ import numpy as np
 import torch
 
 from mmpack import _native
-from mmpack.errors import BatchMediaError, BatchOptionError
-from mmpack.masks import (
-    as_int64,
-    as_mask_array,
+from mmpack._coerce import (
     bools_as_bytes,
+    int64_array,
+    mask_array,
+    option_int,
     role_list,
     sample_name,
     tensor_numpy,
 )
+from mmpack.errors import BatchMediaError, BatchOptionError
 
 if TYPE_CHECKING:
     from mmpack.packed import PackedTensor
 
-__all__ = ["EncodedSample", "PackedBatch", "pack_samples"]
+__all__ = ["EncodedSample", "PackedBatch", "merge_media", "pack_samples"]
 
 _MEGATRON_EXTRA = "pip install 'mmpack[megatron]'"
 
@@ -156,18 +157,6 @@ class PackedBatch:
         )
 
 
-def _check_int(name: str, value: Any, minimum: int = -(2**63)) -> int:
-    """``value`` as an int in ``[minimum, 2**63 - 1]`` (the core's int64): ``TypeError`` for a
-    non-integer, ``BatchOptionError`` out of range."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
-    if not minimum <= value <= 2**63 - 1:
-        raise BatchOptionError(
-            f"invalid {name}: must be >= {minimum} and <= 2**63 - 1, got {value}"
-        )
-    return int(value)
-
-
 def merge_media(samples: Sequence[EncodedSample]) -> dict[str, Any]:
     """Per key, the samples' media merged with ``merge_segments`` of their ``PackedTensor``
     class, in sample order; samples without the key contribute nothing.
@@ -236,10 +225,12 @@ def pack_samples(
         )
     precomputed = loss_mask_mode == "precomputed"
     roles_train = role_list(train_roles, "train_roles")
-    pad_token_id = _check_int("pad_token_id", pad_token_id)
-    ignore_index = _check_int("ignore_index", ignore_index)
-    pad_to_multiple_of = _check_int("pad_to_multiple_of", pad_to_multiple_of, 1)
-    cp_size = _check_int("cp_size", cp_size, 1)
+    pad_token_id = option_int(pad_token_id, "pad_token_id", error=BatchOptionError)
+    ignore_index = option_int(ignore_index, "ignore_index", error=BatchOptionError)
+    pad_to_multiple_of = option_int(
+        pad_to_multiple_of, "pad_to_multiple_of", error=BatchOptionError, minimum=1
+    )
+    cp_size = option_int(cp_size, "cp_size", error=BatchOptionError, minimum=1)
 
     samples = list(samples)
     for i, s in enumerate(samples):
@@ -302,7 +293,7 @@ def _tokens(s: EncodedSample) -> np.ndarray:
         x = tensor_numpy(x, "token_ids", s.sample_id)
     if type(x) is np.ndarray and x.dtype is _I64 and x.ndim == 1 and x.flags.c_contiguous:
         return x
-    return as_int64(x, "token_ids", s.sample_id)
+    return int64_array(x, "token_ids", s.sample_id)
 
 
 def _mask(s: EncodedSample) -> np.ndarray | None:
@@ -313,7 +304,7 @@ def _mask(s: EncodedSample) -> np.ndarray | None:
         x = tensor_numpy(x, "loss mask", s.sample_id)
         if x.ndim == 1 and x.flags.c_contiguous:
             return bools_as_bytes(x)
-    return as_mask_array(x, s.sample_id)
+    return mask_array(x, s.sample_id)
 
 
 _TORCH_NATIVE_MASK = frozenset(
@@ -336,6 +327,6 @@ def _check_messages(s: EncodedSample) -> None:
     """Raise a ``TypeError`` (wrong types) or ``IndexOverflowError`` (a length beyond int64)
     naming the sample, for what the native call refused without naming it."""
     if s.message_lengths is not None:
-        as_int64(s.message_lengths, "message_lengths", s.sample_id)
+        int64_array(s.message_lengths, "message_lengths", s.sample_id)
     if s.message_roles is not None:
         role_list(s.message_roles, "message_roles", s.sample_id)
