@@ -29,6 +29,11 @@ def test_old_path_warns_and_returns_the_same_object(name: str) -> None:
     assert old is getattr(nemo_rl_packing, name)
 
 
+def test_every_public_facade_name_has_an_old_path() -> None:
+    assert set(nemo_rl_packing.__all__) == packing._MOVED_TO_COMPAT
+    assert not set(nemo_rl_packing.__all__) & set(packing.__all__)
+
+
 def test_old_path_from_import_warns_and_unknown_names_still_fail() -> None:
     with pytest.warns(DeprecationWarning, match="get_packer"):
         from mmpack.packing import get_packer as old_get_packer

@@ -117,9 +117,7 @@ def optional_packing_int(value: Any, name: str, minimum: int) -> int | None:
     return None if value is None else packing_int(value, name, minimum)
 
 
-def option_int(
-    value: Any, name: str, *, error: type[Exception], minimum: int = I64_MIN
-) -> int:
+def option_int(value: Any, name: str, *, error: type[Exception], minimum: int = I64_MIN) -> int:
     """An option as an ``int`` in ``[minimum, 2**63 - 1]``: ``TypeError`` for a bool or a
     non-integer, ``error`` for a value out of that range."""
     checked = _exact_int(value)
@@ -130,9 +128,7 @@ def option_int(
     return checked
 
 
-def count_int(
-    value: Any, what: str, *, error: type[Exception], minimum: int = I64_MIN
-) -> int:
+def count_int(value: Any, what: str, *, error: type[Exception], minimum: int = I64_MIN) -> int:
     """A count or size as an ``int`` (anything with ``__index__`` but a bool): ``TypeError``
     for a non-integer (a float, a string, a bool: nothing is truncated or parsed), ``error``
     outside ``[minimum, 2**63 - 1]`` ("must fit in int64" when ``minimum`` is int64's own)."""
@@ -185,7 +181,8 @@ def lengths_array(values: Any, name: str) -> IntArray:
         )
     if arr.dtype == np.uint64 and arr.size and int(arr.max()) > I64_MAX:
         bad = int(np.argmax(arr > I64_MAX))
-        raise ItemTooLargeError(f"item {bad} has {name[:-1]} {int(arr[bad])}, beyond int64")
+        singular = name[:-1] if name.endswith("s") else name  # "lengths" -> "length"; "media"
+        raise ItemTooLargeError(f"item {bad} has {singular} {int(arr[bad])}, beyond int64")
     return np.ascontiguousarray(arr, dtype=np.int64)
 
 

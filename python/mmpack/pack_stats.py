@@ -34,7 +34,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--column", default=None, help="column holding the lengths (.jsonl / .parquet)"
     )
-    parser.add_argument("--max-items-per-bin", type=int, default=None)
+    parser.add_argument(
+        "--max-items-per-bin", type=int, default=None, help="at most this many lengths per bin"
+    )
     parser.add_argument(
         "--on-oversize",
         default="error",
