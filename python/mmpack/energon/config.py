@@ -244,7 +244,9 @@ def _rename_deprecated(data: Mapping[str, Any], source: str, *, stacklevel: int)
 
 
 def _accept_renamed_keywords(init: Callable[..., None]) -> Callable[..., None]:
-    """Let the dataclass constructor take the deprecated field names as keywords."""
+    """Let the dataclass constructor take the deprecated field names as keywords. (Wrapping the
+    generated ``__init__`` keeps the old names out of the fields, so they never show up in
+    `to_dict`, equality, ``repr`` or ``dataclasses.replace``.)"""
 
     @functools.wraps(init)
     def __init__(self: PackingEncoderConfig, *args: Any, **kwargs: Any) -> None:
