@@ -53,9 +53,12 @@ lint: venv
 .PHONY: test
 test: test-rust test-python lint  ## everything CI runs
 
+# The demo runs side by side with the test suite's plain-Python references (tests/reference),
+# which the package never ships nor imports: they come in through --compare-with.
+DEMO_COMPARE ?= reference.energon:ReferencePackingTaskEncoder
 .PHONY: demo
 demo: build-release  ## the main job
-	$(PY) -m mmpack demo
+	PYTHONPATH=tests$${PYTHONPATH:+:$$PYTHONPATH} $(PY) -m mmpack demo --compare-with $(DEMO_COMPARE)
 
 .PHONY: bench
 bench: build-release  ## every benchmark, side by side with the plain-Python references

@@ -2,7 +2,8 @@
 
 Rows: the real Megatron-Energon loader over a synthetic multimodal SFT dataset (both source
 formats) with (1) mmpack packing + the native batch builder, (2) the same pipeline with the
-plain-Python reference packer and builder, (3) the same loader without packing. Columns:
+plain-Python reference packer and builder (``tests/reference/energon.py``, passed to the demo
+with ``--compare-with``), (3) the same loader without packing. Columns:
 samples/s, tokens/s, token fill, time to first batch, and the time spent inside the packer and
 the batch builder per sample (measured in the loader workers). Each pipeline runs
 ``--repeats`` interleaved rounds and reports its best.
@@ -18,7 +19,11 @@ import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the references
+
 from mmpack.demos import sft
+
+REFERENCE = "reference.energon:ReferencePackingTaskEncoder"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -40,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
             "--out", str(Path(work) / "sft"),
             "--json", str(Path(args.out).resolve()),
             "--no-plot",
+            "--compare-with", REFERENCE,
         ]  # fmt: skip
         if args.quick:
             demo_args += ["--capacity", "1024", "--buffer", "32"]

@@ -1,4 +1,4 @@
-"""Nothing lost end to end (issue 7, item 6): the Energon demo dataset with injected faults, read
+"""Nothing lost end to end: the Energon demo dataset with injected faults, read
 by the real Energon loader with 0 and 2 workers. Samples in = packed + skipped by reason +
 failed by reason, exactly (the failure reasons are counted across worker processes), and the
 demo's accounting line says "balanced".
@@ -133,7 +133,7 @@ def _run(dataset: Any, tokenizer: Any, workers: int) -> tuple[list[str], FaultyE
             capacity=CAPACITY,
             packing_buffer_size=16,
             loss_mask_mode="precomputed",
-            max_samples_per_pack=4,  # a failed pack names all its members (up to 4) in its log
+            max_items_per_bin=4,  # a failed pack names all its members (up to 4) in its log
             algorithm="first_fit_decreasing",
         ),
         tokenizer=tokenizer,

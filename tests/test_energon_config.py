@@ -5,12 +5,20 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 pytest.importorskip("megatron.energon")
 
-from mmpack.energon import PackingEncoderConfig, PackingTaskEncoder, resolve_media_settings
+from mmpack.energon import (
+    RENAMED_FIELDS,
+    RETIRED_FIELDS,
+    PackingEncoderConfig,
+    PackingTaskEncoder,
+    resolve_media_settings,
+)
 from mmpack.errors import EnergonConfigError, MmpackError, ModalityConfigError
+from reference.energon import ReferencePackingTaskEncoder
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "configs"
 
@@ -35,8 +43,6 @@ def test_unknown_field_suggests_the_closest_name() -> None:
     [
         ("max_seq_length", "capacity"),
         ("packing_buffer", "packing_buffer_size"),
-        ("max_items_per_bin", "max_samples_per_pack"),
-        ("media_capacity", "media_budget"),
         ("model_family", "loss_mask_mode"),
     ],
 )
@@ -45,6 +51,56 @@ def test_retired_field_names_its_replacement(field: str, replacement: str) -> No
         EnergonConfigError, match=rf"field '{field}' was retired; use .*{replacement}"
     ):
         PackingEncoderConfig.from_dict({field: 1})
+
+
+def test_packing_limits_use_the_packers_names() -> None:
+    names = PackingEncoderConfig.field_names()
+    assert "max_items_per_bin" in names and "media_capacity" in names
+    assert "max_samples_per_pack" not in names and "media_budget" not in names
+    assert not set(RETIRED_FIELDS) & set(names)
+    assert RENAMED_FIELDS == {
+        "max_samples_per_pack": "max_items_per_bin",
+        "media_budget": "media_capacity",
+    }
+
+
+RENAMED = [("max_samples_per_pack", "max_items_per_bin"), ("media_budget", "media_capacity")]
+
+
+@pytest.mark.parametrize(("old", "new"), RENAMED)
+def test_deprecated_names_still_work_with_a_warning_naming_the_new_field(
+    old: str, new: str, tmp_path: Path
+) -> None:
+    want = PackingEncoderConfig(**{new: 7})
+    assert getattr(want, new) == 7
+    match = rf"'{old}' is deprecated; use '{new}'"
+    with pytest.warns(DeprecationWarning, match=match):
+        assert PackingEncoderConfig(**{old: 7}) == want
+    with pytest.warns(DeprecationWarning, match=match):
+        assert PackingEncoderConfig.from_dict({old: 7}) == want
+    path = tmp_path / "old.yaml"
+    path.write_text(f"capacity: 2048\n{old}: 7\n")
+    with pytest.warns(DeprecationWarning, match=rf"old\.yaml: .*{match}"):
+        assert PackingEncoderConfig.from_yaml(path) == want
+    with pytest.warns(DeprecationWarning, match=match):
+        assert PackingEncoderConfig().replace(**{old: 7}) == want
+    with pytest.warns(DeprecationWarning, match=match):
+        assert getattr(want, old) == 7
+    # the value is validated like the new field's
+    with pytest.warns(DeprecationWarning), pytest.raises(EnergonConfigError, match=new):
+        PackingEncoderConfig.from_dict({old: 0})
+    # both names at once: which one wins would be a guess
+    with pytest.warns(DeprecationWarning), pytest.raises(EnergonConfigError, match="give only"):
+        PackingEncoderConfig.from_dict({old: 7, new: 8})
+    with pytest.warns(DeprecationWarning), pytest.raises(EnergonConfigError, match="give only"):
+        PackingEncoderConfig(**{old: 7, new: 8})
+
+
+def test_new_names_warn_nowhere(recwarn: pytest.WarningsRecorder) -> None:
+    cfg = PackingEncoderConfig(max_items_per_bin=3, media_capacity=9)
+    again = PackingEncoderConfig.from_dict(cfg.to_dict()).replace(capacity=4096)
+    assert (again.max_items_per_bin, again.media_capacity, again.capacity) == (3, 9, 4096)
+    assert len(recwarn) == 0
 
 
 @pytest.mark.parametrize(
@@ -113,41 +169,37 @@ def test_tokenizer_without_special_tokens_is_refused(tokenizer: Any) -> None:
         PackingTaskEncoder(PackingEncoderConfig(), tokenizer=bare, processor={"patch_size": 16})
 
 
-def test_reference_backend_refuses_what_it_does_not_implement(tokenizer: Any) -> None:
-    cfg = PackingEncoderConfig(algorithm="first_fit_decreasing", media_budget=100)
+def test_reference_encoder_refuses_what_it_does_not_implement(tokenizer: Any) -> None:
+    cfg = PackingEncoderConfig(algorithm="first_fit_decreasing", media_capacity=100)
     with pytest.raises(EnergonConfigError, match="reference packer"):
-        PackingTaskEncoder(
-            cfg, tokenizer=tokenizer, processor={"patch_size": 16}, backend="reference"
-        )
+        ReferencePackingTaskEncoder(cfg, tokenizer=tokenizer, processor={"patch_size": 16})
     # the default algorithm is mmpack's own: the reference cannot run it, and says so
     with pytest.raises(EnergonConfigError, match=r"only NeMo-RL's .*'best_fit_decreasing' needs"):
-        PackingTaskEncoder(
-            PackingEncoderConfig(),
-            tokenizer=tokenizer,
-            processor={"patch_size": 16},
-            backend="reference",
+        ReferencePackingTaskEncoder(
+            PackingEncoderConfig(), tokenizer=tokenizer, processor={"patch_size": 16}
         )
     with pytest.raises(EnergonConfigError, match=r"rejected by the reference packer.*unknown"):
-        PackingTaskEncoder(
+        ReferencePackingTaskEncoder(
             PackingEncoderConfig(algorithm="no_such_algorithm"),
             tokenizer=tokenizer,
             processor={"patch_size": 16},
-            backend="reference",
         )
     # aliases resolve as in mmpack.packing.pack
-    encoder = PackingTaskEncoder(
-        PackingEncoderConfig(algorithm="ffd"),
-        tokenizer=tokenizer,
-        processor={"patch_size": 16},
-        backend="reference",
+    encoder = ReferencePackingTaskEncoder(
+        PackingEncoderConfig(algorithm="ffd"), tokenizer=tokenizer, processor={"patch_size": 16}
     )
-    assert encoder.backend == "reference"
-    with pytest.raises(EnergonConfigError, match="backend must be"):
-        PackingTaskEncoder(
+    packing = encoder.plan_packs(np.array([3, 5, 2]), None, seed=0)
+    assert packing.item_indices.tolist() == [1, 0, 2]  # first fit, longest first
+
+
+def test_the_package_has_no_reference_switch(tokenizer: Any) -> None:
+    # the comparison implementations live in the test suite and come in as subclasses
+    with pytest.raises(TypeError, match="backend"):
+        PackingTaskEncoder(  # type: ignore[call-arg]
             PackingEncoderConfig(),
             tokenizer=tokenizer,
             processor={"patch_size": 16},
-            backend="fast",
+            backend="reference",
         )
 
 

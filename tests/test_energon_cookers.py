@@ -267,8 +267,8 @@ def test_oversize_policy_error_names_the_sample(tokenizer: Any, worker: Any) -> 
         enc.preencode_sample(_conv([("user", "kaka " * 80), ("assistant", "lolo")]))
 
 
-def test_media_budget_is_enforced_per_sample_and_per_pack(tokenizer: Any, worker: Any) -> None:
-    enc = encoder(tokenizer, capacity=512, media_budget=6)
+def test_media_capacity_is_enforced_per_sample_and_per_pack(tokenizer: Any, worker: Any) -> None:
+    enc = encoder(tokenizer, capacity=512, media_capacity=6)
     big = {
         "messages": [
             {"role": "user", "content": "<image>"},
@@ -291,12 +291,12 @@ def test_media_budget_is_enforced_per_sample_and_per_pack(tokenizer: Any, worker
         for i in range(3)
     ]
     groups = enc.select_samples_to_pack(samples)
-    assert sorted(len(g) for g in groups) == [1, 1, 1]  # 4 media units each, budget 6
+    assert sorted(len(g) for g in groups) == [1, 1, 1]  # 4 media units each, capacity 6
     assert sorted(s.__key__ for g in groups for s in g) == ["s0", "s1", "s2"]
 
 
 def test_selection_places_every_sample_exactly_once(tokenizer: Any, worker: Any) -> None:
-    enc = encoder(tokenizer, capacity=40, max_samples_per_pack=3)
+    enc = encoder(tokenizer, capacity=40, max_items_per_bin=3)
     rng = np.random.default_rng(0)
     samples = [
         enc.preencode_sample(
@@ -330,3 +330,50 @@ def test_pack_samples_native_receives_what_the_encoder_builds(tokenizer: Any, wo
     ]
     direct = pack_samples([enc.to_encoded_sample(s) for s in samples])
     assert direct.input_ids.tolist() == enc.build_pack(samples).input_ids.tolist()
+
+
+def test_media_is_not_decoded_before_selection_nor_for_skipped_samples(
+    tokenizer: Any, worker: Any
+) -> None:
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.zeros((32, 32, 3), dtype=np.uint8)).save(buf, "PNG")
+
+    def raw(key: str, ending: str) -> dict[str, Any]:
+        msgs = [
+            {"role": "user", "content": "<image> kaka"},
+            {"role": "assistant", "content": "lolo"},
+        ]
+        if ending == "user":
+            msgs.append({"role": "user", "content": "mimi"})
+        body = {
+            "messages": msgs,
+            "media": [
+                {"name": "a.png", "width": 32, "height": 32},
+                {"name": "b.png", "width": 32, "height": 32},
+            ],
+        }
+        import json
+
+        return {
+            "__key__": key,
+            "__restore_key__": ("t", key),
+            "__shard__": "s",
+            "json": json.dumps(body).encode(),
+            "a.png": buf.getvalue(),
+            "b.png": buf.getvalue(),
+        }
+
+    MEDIA_LOG.clear()
+    enc = encoder(tokenizer, capacity=512, packing_buffer_size=8, batch_size=2)
+    good = enc.preencode_sample(cook_generic(raw("good", "assistant")))
+    with pytest.raises(SkipSample):
+        enc.preencode_sample(cook_generic(raw("skipped", "user")))
+    assert MEDIA_LOG.decodes == [] and MEDIA_LOG.reads == []
+    (group,) = enc.select_samples_to_pack([good])
+    enc.pack_selected_samples([enc.postencode_sample(s) for s in group])
+    assert MEDIA_LOG.decodes == ["s/good/a.png"]  # b.png is in the manifest but never used

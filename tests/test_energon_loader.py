@@ -23,6 +23,7 @@ from mmpack.energon import (
 from mmpack.energon.synthetic import PATCH_SIZE, write_synthetic_dataset
 from mmpack.energon.testing import active_worker, batch_digest
 from mmpack.errors import EnergonConfigError
+from reference.energon import ReferencePackingTaskEncoder
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:.*pin_memory.*:UserWarning"),
@@ -49,7 +50,9 @@ def dataset(tmp_path_factory: pytest.TempPathFactory) -> Any:
     )
 
 
-def make_encoder(tokenizer: Any, backend: str = "native", **overrides: Any) -> PackingTaskEncoder:
+def make_encoder(
+    tokenizer: Any, cls: type[PackingTaskEncoder] = PackingTaskEncoder, **overrides: Any
+) -> PackingTaskEncoder:
     # NeMo-RL's first-fit-decreasing: the reference packer implements the same algorithm
     overrides.setdefault("algorithm", "first_fit_decreasing")
     config = PackingEncoderConfig(
@@ -59,9 +62,7 @@ def make_encoder(tokenizer: Any, backend: str = "native", **overrides: Any) -> P
         batch_size=2,
         **overrides,
     )
-    return PackingTaskEncoder(
-        config, tokenizer=tokenizer, processor={"patch_size": PATCH_SIZE}, backend=backend
-    )
+    return cls(config, tokenizer=tokenizer, processor={"patch_size": PATCH_SIZE})
 
 
 def train_dataset(path: Path, encoder: PackingTaskEncoder, workers: int, *, repeat: bool) -> Any:
@@ -87,13 +88,16 @@ def run_epoch(path: Path, encoder: PackingTaskEncoder, workers: int) -> list[Any
 
 @pytest.fixture(scope="module")
 def epochs(dataset: Any, tokenizer: Any) -> dict[tuple[int, str], tuple[list[Any], dict[str, Any]]]:
-    """One full epoch per (workers, backend): the batches and the encoder's counters."""
+    """One full epoch per (workers, implementation): the batches and the encoder's counters."""
     out = {}
     for workers in (0, 2):
-        for backend in ("native", "reference"):
-            encoder = make_encoder(tokenizer, backend)
+        for name, cls in (
+            ("native", PackingTaskEncoder),
+            ("reference", ReferencePackingTaskEncoder),
+        ):
+            encoder = make_encoder(tokenizer, cls)
             batches = run_epoch(dataset.metadataset, encoder, workers)
-            out[(workers, backend)] = (batches, encoder.stats.snapshot())
+            out[(workers, name)] = (batches, encoder.stats.snapshot())
     return out
 
 

@@ -1,14 +1,16 @@
-"""``mmpack demo rl``: the GRPO media path, mmpack next to the plain-Python reference.
+"""``mmpack demo rl``: the GRPO media path, mmpack next to another PackedTensor implementation.
 
 1. builds synthetic prompts with 1-3 small images each, each prompt's media one dedup-enabled
    PackedTensor row (what NeMo-RL's processor + ``merge_segments`` give);
-2. expands every prompt G times (reference: NeMo-RL's ``deepcopy`` per copy, then ``concat``;
-   mmpack: ``concat`` then ``repeat_interleave``);
+2. expands every prompt G times (the compared side: NeMo-RL's ``deepcopy`` per copy, then
+   ``concat``; mmpack: ``concat`` then ``repeat_interleave``);
 3. shards the batch to the DP ranks, pickles each shard (protocol 5, as a Ray hop would),
    unpickles and re-concatenates them, counts segments per row, and materializes rank 0's shard
    (what that rank feeds its model);
-4. prints time and bytes for both side by side and checks that both give the same rows, segment
-   counts, physical segment count and materialized tensor.
+4. prints time and bytes, and with ``--compare-with MODULE:ATTR`` (a PackedTensor class, for
+   example the plain-Python reference of the test suite, ``reference.packed_tensor:PackedTensor``
+   with ``PYTHONPATH=tests``) runs that class too, side by side, and checks that both give the
+   same rows, segment counts, physical segment count and materialized tensor.
 """
 
 from __future__ import annotations
@@ -27,6 +29,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from mmpack.demos.comparison import OPTION, import_comparison
 
 __all__ = [
     "StepTimes",
@@ -168,6 +172,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dim", type=int, default=1176, help="pixel features per patch (1176)")
     p.add_argument("--repeats", type=int, default=3, help="runs per side; medians shown (3)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        OPTION,
+        dest="compare_with",
+        metavar="MODULE:ATTR",
+        default=None,
+        help="a PackedTensor class (importable path) to run as the 'reference' side, with "
+        "NeMo-RL's deepcopy G-expansion, e.g. reference.packed_tensor:PackedTensor with "
+        "PYTHONPATH=tests; without it only mmpack's side runs",
+    )
     p.add_argument("--json", type=Path, default=None, help="also write the numbers here")
     p.add_argument("--plot", type=Path, default=None, help="also write a PNG bar chart here")
     return p
@@ -186,35 +199,50 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
+    compared = None
+    if args.compare_with is not None:
+        try:
+            compared = import_comparison(args.compare_with)
+        except (ImportError, ValueError) as err:
+            print(f"mmpack demo rl: {err}", file=sys.stderr)
+            return 2
+        if not (isinstance(compared, type) and hasattr(compared, "concat")):
+            print(
+                f"mmpack demo rl: {OPTION} {args.compare_with}: expected a PackedTensor class, "
+                f"got {compared!r}",
+                file=sys.stderr,
+            )
+            return 2
 
     import torch
 
     import mmpack
-    from mmpack._reference.packed_tensor import PackedTensor as Reference
 
     images = make_images(
         args.prompts, max_images=args.max_images, patches=args.patches, dim=args.dim,
         seed=args.seed,
     )  # fmt: skip
-    sides = {
-        "reference": (Reference, expand_reference),
-        "mmpack": (mmpack.PackedTensor, expand_mmpack),
-    }
+    sides: dict[str, tuple[Any, Callable[[Any, Sequence[Any], int], Any]]] = {}
+    if compared is not None:
+        sides["reference"] = (compared, expand_reference)
+    sides["mmpack"] = (mmpack.PackedTensor, expand_mmpack)
     results: dict[str, StepTimes] = {}
     for name, (cls, expand) in sides.items():
         prompts = per_prompt_values(cls, images)
         results[name] = run_pipeline(
             cls, prompts, expand, group=args.group, dp=args.dp, repeats=args.repeats
         )
-    ref, mm = results["reference"], results["mmpack"]
-    agree = (
-        ref.rows == mm.rows
-        and ref.counts == mm.counts
-        and ref.physical_segments == mm.physical_segments
-        and ref.materialized is not None
-        and mm.materialized is not None
-        and torch.equal(ref.materialized, mm.materialized)
-    )
+    ref, mm = results.get("reference"), results["mmpack"]
+    agree: bool | None = None  # no comparison ran
+    if ref is not None:
+        agree = (
+            ref.rows == mm.rows
+            and ref.counts == mm.counts
+            and ref.physical_segments == mm.physical_segments
+            and ref.materialized is not None
+            and mm.materialized is not None
+            and torch.equal(ref.materialized, mm.materialized)
+        )
 
     n_images = sum(len(x) for x in images)
     print(
@@ -222,31 +250,10 @@ def main(argv: list[str] | None = None) -> int:
         f"(1-{args.max_images} per prompt), G={args.group} -> {rows} rows, "
         f"{args.dp} DP shards; medians of {args.repeats} runs\n"
     )
-    print("| step | reference ms | mmpack ms | speedup |")
-    print("|---|---:|---:|---:|")
-    for step in (*STEPS, "total"):
-        if step == "total":
-            r, m = sum(ref.seconds.values()), sum(mm.seconds.values())
-            label = "**total**"
-        else:
-            r, m = ref.seconds[step], mm.seconds[step]
-            label = step
-        print(f"| {label} | {r * 1e3:,.1f} | {m * 1e3:,.1f} | {_ratio(r, m)} |")
-    print()
-    print("| bytes | reference | mmpack |")
-    print("|---|---:|---:|")
-    print(f"| physical (unique media) | {_mib(ref.physical_bytes)} | {_mib(mm.physical_bytes)} |")
-    print(
-        f"| logical (materialized; a no-dedup pipeline ships this) | {_mib(ref.logical_bytes)} "
-        f"| {_mib(mm.logical_bytes)} |"
-    )
-    print(
-        f"| pickled, all {args.dp} shards | {_mib(ref.pickled_bytes)} | {_mib(mm.pickled_bytes)} |"
-    )
-    print(
-        f"\nrows {mm.rows}, physical segments {mm.physical_segments} "
-        f"(reference {ref.physical_segments}); outputs agree: {'yes' if agree else 'NO'}"
-    )
+    _print_tables(ref, mm, args.dp)
+    compared_line = "" if ref is None else f" (reference {ref.physical_segments})"
+    agree_line = "" if agree is None else f"; outputs agree: {'yes' if agree else 'NO'}"
+    print(f"\nrows {mm.rows}, physical segments {mm.physical_segments}{compared_line}{agree_line}")
     print(
         f"machine: {platform.machine()} {platform.processor() or ''} python "
         f"{platform.python_version()} torch {torch.__version__} mmpack {mmpack.__version__}"
@@ -272,10 +279,48 @@ def main(argv: list[str] | None = None) -> int:
         args.json.write_text(json.dumps(report, indent=2))
     if args.plot is not None:
         _plot(args.plot, ref, mm)
-    return 0 if agree else 1
+    return 0 if agree is not False else 1
 
 
-def _plot(path: Path, ref: StepTimes, mm: StepTimes) -> None:
+def _print_tables(ref: StepTimes | None, mm: StepTimes, dp: int) -> None:
+    """Time per step and bytes, the compared side (when there is one) next to mmpack's."""
+    if ref is None:
+        print("| step | mmpack ms |")
+        print("|---|---:|")
+        for step in (*STEPS, "total"):
+            m = sum(mm.seconds.values()) if step == "total" else mm.seconds[step]
+            print(f"| {'**total**' if step == 'total' else step} | {m * 1e3:,.1f} |")
+        print()
+        print("| bytes | mmpack |")
+        print("|---|---:|")
+        print(f"| physical (unique media) | {_mib(mm.physical_bytes)} |")
+        print(
+            f"| logical (materialized; a no-dedup pipeline ships this) | {_mib(mm.logical_bytes)} |"
+        )
+        print(f"| pickled, all {dp} shards | {_mib(mm.pickled_bytes)} |")
+        return
+    print("| step | reference ms | mmpack ms | speedup |")
+    print("|---|---:|---:|---:|")
+    for step in (*STEPS, "total"):
+        if step == "total":
+            r, m = sum(ref.seconds.values()), sum(mm.seconds.values())
+            label = "**total**"
+        else:
+            r, m = ref.seconds[step], mm.seconds[step]
+            label = step
+        print(f"| {label} | {r * 1e3:,.1f} | {m * 1e3:,.1f} | {_ratio(r, m)} |")
+    print()
+    print("| bytes | reference | mmpack |")
+    print("|---|---:|---:|")
+    print(f"| physical (unique media) | {_mib(ref.physical_bytes)} | {_mib(mm.physical_bytes)} |")
+    print(
+        f"| logical (materialized; a no-dedup pipeline ships this) | {_mib(ref.logical_bytes)} "
+        f"| {_mib(mm.logical_bytes)} |"
+    )
+    print(f"| pickled, all {dp} shards | {_mib(ref.pickled_bytes)} | {_mib(mm.pickled_bytes)} |")
+
+
+def _plot(path: Path, ref: StepTimes | None, mm: StepTimes) -> None:
     try:
         import matplotlib
 
@@ -286,8 +331,10 @@ def _plot(path: Path, ref: StepTimes, mm: StepTimes) -> None:
         return
     fig, ax = plt.subplots(figsize=(8, 4))
     xs = range(len(STEPS))
-    ax.bar([x - 0.2 for x in xs], [ref.seconds[s] * 1e3 for s in STEPS], 0.4, label="reference")
-    ax.bar([x + 0.2 for x in xs], [mm.seconds[s] * 1e3 for s in STEPS], 0.4, label="mmpack")
+    if ref is not None:
+        ax.bar([x - 0.2 for x in xs], [ref.seconds[s] * 1e3 for s in STEPS], 0.4, label="reference")
+    offset = 0.2 if ref is not None else 0.0
+    ax.bar([x + offset for x in xs], [mm.seconds[s] * 1e3 for s in STEPS], 0.4, label="mmpack")
     ax.set_xticks(list(xs), STEPS, rotation=20)
     ax.set_ylabel("ms (median)")
     ax.set_yscale("log")

@@ -1,6 +1,11 @@
 """mmpack on Megatron-Energon: a packing task encoder, lazy cookers for two source formats,
 startup validation, failure handling and a synthetic dataset writer.
 
+Modules: `task_encoder` (`PackingTaskEncoder`, the Energon hooks), `conversation` (the default
+chat markup), `policy` (skips, consecutive-skip guard, finite failure tolerance), `padded_batch`
+(the no-packing batch), `config`, `cookers`, `media`, `samples`, `stats`, `loader`,
+`validation`, `synthetic` (a dataset writer) and `testing` (helpers for tests).
+
 Needs the extra ``mmpack[energon]`` (``megatron-energon`` and ``torch``).
 
 Typical use::
@@ -25,22 +30,24 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
         "pip install 'mmpack[energon]'"
     ) from err
 
-from mmpack.energon.config import RETIRED_FIELDS, PackingEncoderConfig
+from mmpack.energon.config import RENAMED_FIELDS, RETIRED_FIELDS, PackingEncoderConfig
 from mmpack.energon.cookers import cook_fragments, cook_generic, default_cookers
-from mmpack.energon.encoder import MEDIA_KEYS, PackingTaskEncoder, stateless_with_tolerance
 from mmpack.energon.loader import (
     loader_state_workers,
     make_worker_config,
     restore_loader_state,
 )
-from mmpack.energon.media import MEDIA_LOG, MediaHandle, MediaSettings
+from mmpack.energon.media import MEDIA_KEYS, MEDIA_LOG, MediaHandle, MediaSettings
+from mmpack.energon.policy import stateless_with_tolerance
 from mmpack.energon.samples import Conversation, EncodedConversation, Part, SftBatch, SftPack, Turn
 from mmpack.energon.stats import SKIP_REASONS, LoaderStats
+from mmpack.energon.task_encoder import PackingTaskEncoder
 from mmpack.energon.validation import check_optional_dependencies, resolve_media_settings
 
 __all__ = [
     "MEDIA_KEYS",
     "MEDIA_LOG",
+    "RENAMED_FIELDS",
     "RETIRED_FIELDS",
     "SKIP_REASONS",
     "Conversation",

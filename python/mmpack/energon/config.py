@@ -3,19 +3,26 @@
 A config is a frozen dataclass. `from_dict` / `from_yaml` reject unknown fields (suggesting the
 closest known name) and retired fields (naming their replacement), so a shipped recipe that stops
 matching the code fails loudly at load time instead of training with a silently different setup.
+
+The packing limits use `mmpack.packing.pack`'s names (``max_items_per_bin``, ``media_capacity``).
+Their former names (``max_samples_per_pack``, ``media_budget``) are still accepted by the
+constructor, `from_dict`, `from_yaml` and `replace`, and readable as attributes, each time with a
+`DeprecationWarning` naming the new field; they will be removed in the next release.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import difflib
-from collections.abc import Mapping
+import functools
+import warnings
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from mmpack.errors import EnergonConfigError
 
-__all__ = ["RETIRED_FIELDS", "PackingEncoderConfig"]
+__all__ = ["RENAMED_FIELDS", "RETIRED_FIELDS", "PackingEncoderConfig"]
 
 LOSS_MASK_MODES = (None, "precomputed")
 OVERSIZE_POLICIES = ("skip", "error")
@@ -27,13 +34,18 @@ RETIRED_FIELDS: dict[str, str] = {
     "seq_length": "capacity",
     "pack_size": "capacity",
     "packing_buffer": "packing_buffer_size",
-    "max_items_per_bin": "max_samples_per_pack",
-    "media_capacity": "media_budget",
     "model_family": (
         "subclass PackingTaskEncoder and set loss_mask_mode (None: from roles, "
         "'precomputed': the encoder's mask); the encoder never branches on a model family"
     ),
     "use_precomputed_mask": "loss_mask_mode: precomputed",
+}
+
+#: Deprecated field name -> its current name (accepted, with a DeprecationWarning, until the
+#: next release).
+RENAMED_FIELDS: dict[str, str] = {
+    "max_samples_per_pack": "max_items_per_bin",
+    "media_budget": "media_capacity",
 }
 
 _ZERO_TOLERANCE_HELP = (
@@ -52,14 +64,16 @@ class PackingEncoderConfig:
         capacity: tokens per pack (the packed sequence length).
         packing_buffer_size: encoded samples each `select_samples_to_pack` call sees (per worker).
         algorithm: an algorithm name of `mmpack.packing.pack`.
-        max_samples_per_pack: optional cap on samples per pack.
-        media_budget: optional cap on media units (image patches / audio frames) per pack.
+        max_items_per_bin: optional cap on samples per pack (``max_items_per_bin`` of
+            `mmpack.packing.pack`; formerly ``max_samples_per_pack``).
+        media_capacity: optional cap on media units (image patches / audio frames) per pack
+            (``media_capacity`` of `mmpack.packing.pack`; formerly ``media_budget``).
         loss_mask_mode: ``None`` derives the mask from message roles; ``"precomputed"`` uses the
             encoder's own mask (per-fragment ``trainable`` flags) after validation.
         train_roles: roles whose tokens are trained on (both modes).
         on_oversize: ``"skip"`` (counted, logged) or ``"error"`` (a typed error naming the sample,
             handled by Energon's failure tolerance) for a sample longer than ``capacity`` or
-            with more media than ``media_budget``.
+            with more media than ``media_capacity``.
         failure_tolerance: consecutive failures of one hook (per worker) before Energon stops the
             job. Must be >= 1.
         max_consecutive_skips: consecutive policy skips (per worker) before the encoder stops the
@@ -74,8 +88,8 @@ class PackingEncoderConfig:
     capacity: int = 2048
     packing_buffer_size: int = 64
     algorithm: str = "best_fit_decreasing"
-    max_samples_per_pack: int | None = None
-    media_budget: int | None = None
+    max_items_per_bin: int | None = None
+    media_capacity: int | None = None
     loss_mask_mode: str | None = None
     train_roles: tuple[str, ...] = ("assistant",)
     on_oversize: str = "skip"
@@ -97,7 +111,7 @@ class PackingEncoderConfig:
         for name in ("capacity", "packing_buffer_size", "batch_size", "pad_to_multiple_of"):
             _positive_int(name, getattr(self, name))
         _positive_int("cp_size", self.cp_size)
-        for name in ("max_samples_per_pack", "media_budget"):
+        for name in ("max_items_per_bin", "media_capacity"):
             if getattr(self, name) is not None:
                 _positive_int(name, getattr(self, name))
         for name in ("pad_token_id", "ignore_index"):
@@ -142,11 +156,13 @@ class PackingEncoderConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any], *, source: str = "config") -> PackingEncoderConfig:
-        """Build a config from a mapping; unknown or retired keys raise `EnergonConfigError`."""
+        """Build a config from a mapping; unknown or retired keys raise `EnergonConfigError`,
+        deprecated names (`RENAMED_FIELDS`) are accepted with a `DeprecationWarning`."""
         if not isinstance(data, Mapping):
             raise EnergonConfigError(
                 f"{source}: expected a mapping of fields, got {type(data).__name__}"
             )
+        data = _rename_deprecated(data, source, stacklevel=4)
         known = cls.field_names()
         problems = []
         for key in data:
@@ -163,7 +179,7 @@ class PackingEncoderConfig:
                 f"{source}: " + "; ".join(problems) + f". Known fields: {', '.join(known)}"
             )
         try:
-            return cls(**dict(data))
+            return cls(**data)
         except EnergonConfigError as err:
             raise EnergonConfigError(f"{source}: {err}") from None
 
@@ -184,7 +200,66 @@ class PackingEncoderConfig:
 
     def replace(self, **changes: Any) -> PackingEncoderConfig:
         """A copy with `changes` applied (unknown or retired names raise, as in `from_dict`)."""
+        changes = _rename_deprecated(changes, "", stacklevel=4)
         return self.from_dict({**self.to_dict(), **changes})
+
+    @property
+    def max_samples_per_pack(self) -> int | None:
+        """Deprecated name of `max_items_per_bin`."""
+        _warn_renamed("max_samples_per_pack", "", stacklevel=3)
+        return self.max_items_per_bin
+
+    @property
+    def media_budget(self) -> int | None:
+        """Deprecated name of `media_capacity`."""
+        _warn_renamed("media_budget", "", stacklevel=3)
+        return self.media_capacity
+
+
+def _warn_renamed(old: str, source: str, *, stacklevel: int) -> None:
+    warnings.warn(
+        f"{f'{source}: ' if source else ''}PackingEncoderConfig field {old!r} is deprecated; use "
+        f"{RENAMED_FIELDS[old]!r} (the name mmpack.packing.pack uses). The old name will be "
+        "removed in the next release",
+        DeprecationWarning,
+        stacklevel=stacklevel,
+    )
+
+
+def _rename_deprecated(data: Mapping[str, Any], source: str, *, stacklevel: int) -> dict[str, Any]:
+    """`data` with deprecated field names replaced by their current names (one warning each);
+    both names of one field at once is an error."""
+    out = dict(data)
+    for old, new in RENAMED_FIELDS.items():
+        if old not in out:
+            continue
+        _warn_renamed(old, source, stacklevel=stacklevel)
+        if new in data:
+            raise EnergonConfigError(
+                f"{f'{source}: ' if source else ''}{old!r} is the deprecated name of {new!r}; "
+                f"give only {new!r}"
+            )
+        out[new] = out.pop(old)
+    return out
+
+
+def _accept_renamed_keywords(init: Callable[..., None]) -> Callable[..., None]:
+    """Let the dataclass constructor take the deprecated field names as keywords. (Wrapping the
+    generated ``__init__`` keeps the old names out of the fields, so they never show up in
+    `to_dict`, equality, ``repr`` or ``dataclasses.replace``.)"""
+
+    @functools.wraps(init)
+    def __init__(self: PackingEncoderConfig, *args: Any, **kwargs: Any) -> None:
+        if any(old in kwargs for old in RENAMED_FIELDS):
+            kwargs = _rename_deprecated(kwargs, "", stacklevel=4)
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+PackingEncoderConfig.__init__ = _accept_renamed_keywords(  # type: ignore[method-assign]
+    PackingEncoderConfig.__init__
+)
 
 
 def _is_int(value: object) -> bool:

@@ -20,7 +20,10 @@ import numpy as np
 
 from mmpack.errors import SampleFormatError
 
-__all__ = ["MEDIA_LOG", "MediaHandle", "MediaLog", "MediaSettings", "provenance_of"]
+__all__ = ["MEDIA_KEYS", "MEDIA_LOG", "MediaHandle", "MediaLog", "MediaSettings", "provenance_of"]
+
+#: media kind -> key of its values in `EncodedConversation.decoded_media` and `PackedBatch.media`
+MEDIA_KEYS = {"image": "pixel_values", "audio": "audio_values"}
 
 
 @dataclasses.dataclass

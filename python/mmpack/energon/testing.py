@@ -1,6 +1,8 @@
-"""Helpers for testing task encoders without a running loader (lesson 3: hooks decorated with
-``@stateless(restore_seeds=True)`` need an active Energon `WorkerConfig`; tests get one from
-`active_worker`, e.g. in a fixture) and for comparing packed batches."""
+"""Helpers for testing task encoders without a running loader, and for comparing packed batches.
+
+Hooks decorated with ``@stateless(restore_seeds=True)`` only run inside an active Energon
+`WorkerConfig`; `active_worker` activates one (e.g. from a test fixture), so those hooks run in
+any CI job, not only in a live loader worker."""
 
 from __future__ import annotations
 

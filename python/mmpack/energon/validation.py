@@ -1,6 +1,7 @@
 """Startup validation: every configured modality must be fully supported by the processor /
 feature-extractor settings, and its optional dependencies must be importable. Runs when the task
-encoder is constructed, before any sample is read (lessons 5 and 9)."""
+encoder is constructed, before any sample is read, so a run never starts that would drop or fail
+every sample of a modality one by one, or die on a missing module mid-training."""
 
 from __future__ import annotations
 

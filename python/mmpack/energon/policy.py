@@ -1,0 +1,175 @@
+"""What happens to bad samples and failing hooks, so that a broken dataset stops the job with a
+clear error instead of training on nothing or looping forever.
+
+* Policy skips (`check_sample`): a sample that is well-formed but useless or too big (no turns,
+  ends on a user turn, nothing trainable, longer than the capacity, more media than the media
+  capacity) raises Energon's ``SkipSample`` and is counted per reason. Malformed samples raise
+  typed errors (`SampleFormatError`, `LossMaskError`), which Energon's failure tolerance handles.
+* Consecutive skips (`ConsecutiveSkipGuard`): Energon never counts ``SkipSample`` and waits
+  forever when every sample is skipped, so ``max_consecutive_skips`` skips in a row (per worker)
+  stop the job with a `FatalSampleError` that says why.
+* Finite failure tolerance (`check_hooks`, `stateless_with_tolerance`): Energon reads a tolerance
+  of 0 as "never stop", and re-runs some hooks when it restores a checkpoint (those must be
+  ``@stateless``); both are checked when the task encoder is built, not after a resume.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
+
+import numpy as np
+from megatron.energon import SkipSample, stateless
+from megatron.energon.errors import FatalSampleError
+from megatron.energon.task_encoder.base import get_failure_tolerance, get_stateless
+
+from mmpack import masks
+from mmpack.energon.config import PackingEncoderConfig
+from mmpack.energon.samples import Conversation, EncodedConversation
+from mmpack.energon.stats import LoaderStats
+from mmpack.errors import EnergonConfigError, SampleFormatError, TooManySkippedError
+
+__all__ = ["ConsecutiveSkipGuard", "check_hooks", "check_sample", "stateless_with_tolerance"]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+#: ``skip(sample, reason, detail)``: count a policy skip and return the ``SkipSample`` to raise
+SkipFn = Callable[[Any, str, str], SkipSample]
+
+
+def stateless_with_tolerance(
+    *, restore_seeds: bool = False, failure_tolerance: int | None = None
+) -> Callable[[F], F]:
+    """``@stateless(restore_seeds=..., failure_tolerance=...)`` that keeps the tolerance.
+
+    Energon 7.4's ``stateless`` returns its ``restore_seeds`` wrapper before it records
+    ``failure_tolerance``, so ``@stateless(restore_seeds=True, failure_tolerance=N)`` silently
+    uses the class default instead of N. This applies the tolerance to the inner function first
+    (``functools.wraps`` copies the attribute onto the seeding wrapper).
+    """
+    if failure_tolerance is not None and (
+        isinstance(failure_tolerance, bool)
+        or not isinstance(failure_tolerance, int)
+        or failure_tolerance < 1
+    ):
+        raise EnergonConfigError(
+            f"failure_tolerance must be a positive integer (0 means 'never stop' in Energon), "
+            f"got {failure_tolerance!r}"
+        )
+
+    def decorate(fn: F) -> F:
+        inner = (
+            stateless(fn, failure_tolerance=failure_tolerance)
+            if failure_tolerance
+            else stateless(fn)
+        )
+        if restore_seeds:
+            return stateless(inner, restore_seeds=True)
+        return inner
+
+    return decorate
+
+
+def check_hooks(
+    encoder: Any,
+    *,
+    restored_hooks: Iterable[str],
+    other_hooks: Iterable[str],
+    default_tolerance: int,
+) -> None:
+    """Raise `EnergonConfigError` when one of `restored_hooks` (hooks Energon re-runs on restore)
+    is not ``@stateless``, or any hook has a failure tolerance that Energon reads as 'never
+    stop'. Energon itself checks statelessness only when restoring, and never the tolerance."""
+    restored = tuple(restored_hooks)
+    problems = []
+    for name in (*restored, *other_hooks):
+        hook = getattr(encoder, name)
+        if name in restored and not get_stateless(hook):
+            problems.append(
+                f"{name} is not @stateless (Energon re-runs it on restore; use "
+                "@stateless, or @stateless(restore_seeds=True) if it uses randomness)"
+            )
+        tolerance = get_failure_tolerance(hook, default_tolerance)
+        if tolerance <= 0:
+            problems.append(
+                f"{name} has failure_tolerance={tolerance}, which Energon reads as 'never stop'"
+            )
+    if problems:
+        raise EnergonConfigError(f"{type(encoder).__name__}: " + "; ".join(problems))
+
+
+class ConsecutiveSkipGuard:
+    """Counts policy skips (in `stats`, per reason) and stops the job after `limit` skips in a
+    row. Per worker process: each worker has its own copy, and the count is not checkpointed
+    (it only decides when to stop, never what is produced)."""
+
+    def __init__(self, stats: LoaderStats, limit: int) -> None:
+        self.stats = stats
+        self.limit = limit
+        # policy skips since the last sample that passed, per reason
+        self.in_a_row: dict[str, int] = {}
+
+    def skip(self, sample: Any, reason: str, detail: str) -> SkipSample:
+        """Count one skip; return the ``SkipSample`` to raise, or raise `FatalSampleError`
+        (from a `TooManySkippedError`) when this skip reaches the limit."""
+        self.stats.skip(reason)
+        self.in_a_row[reason] = self.in_a_row.get(reason, 0) + 1
+        consecutive = sum(self.in_a_row.values())
+        if consecutive >= self.limit:
+            by_reason = ", ".join(f"{k}: {v}" for k, v in sorted(self.in_a_row.items()))
+            err = TooManySkippedError(
+                f"{consecutive} consecutive samples were skipped by policy "
+                f"({by_reason}; last: {getattr(sample, '__key__', '?')}: {detail}). Energon waits "
+                "forever when every sample is skipped, so the job stops here: check the data or "
+                f"raise max_consecutive_skips (now {self.limit})"
+            )
+            raise FatalSampleError(str(err)) from err
+        return SkipSample(f"{reason}: {detail}")
+
+    def passed(self) -> None:
+        """A sample passed the policy: the run of skips is over."""
+        self.in_a_row.clear()
+
+
+def check_sample(
+    config: PackingEncoderConfig,
+    conversation: Conversation,
+    encoded: EncodedConversation,
+    skip: SkipFn,
+) -> None:
+    """Raise ``skip(...)`` for a sample that is bad by policy, `SampleFormatError` for one that
+    is too big under ``on_oversize="error"``, or `LossMaskError` for a bad precomputed mask."""
+    key = conversation.__key__
+    train_roles = config.train_roles
+    roles = [t.role for t in conversation.turns if t.role != "system"]
+    if not roles:
+        raise skip(conversation, "no_turns", "the conversation has no user/assistant turns")
+    if roles[-1] not in train_roles:
+        raise skip(
+            conversation,
+            "ends_on_user_turn",
+            f"the conversation ends on a {roles[-1]!r} turn, with no answer to train on",
+        )
+    if encoded.loss_mask is not None:
+        # checked here, per sample: a bad mask found by the batch builder would fail the
+        # whole pack it was selected into
+        masks.validate(encoded.loss_mask, encoded.num_tokens, sample_id=key)
+        trainable = int(np.count_nonzero(encoded.loss_mask))
+    else:
+        mask = masks.from_roles(
+            encoded.message_lengths, encoded.message_roles or [], train_roles, sample_id=key
+        )
+        trainable = int(np.count_nonzero(mask))
+    if trainable == 0:
+        raise skip(conversation, "empty_trainable_mask", "no token is trainable")
+    if encoded.num_tokens > config.capacity:
+        detail = f"{encoded.num_tokens} tokens > capacity {config.capacity}"
+        if config.on_oversize == "error":
+            raise SampleFormatError(f"sample {key!r} is too long: {detail} (on_oversize='error')")
+        raise skip(conversation, "oversize", detail)
+    media_capacity = config.media_capacity
+    if media_capacity is not None and encoded.media_units > media_capacity:
+        detail = f"{encoded.media_units} media units > media_capacity {media_capacity}"
+        if config.on_oversize == "error":
+            raise SampleFormatError(f"sample {key!r} has too much media: {detail}")
+        raise skip(conversation, "media_over_budget", detail)

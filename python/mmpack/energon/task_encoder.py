@@ -1,0 +1,361 @@
+"""`PackingTaskEncoder`: an Energon task encoder that packs with `mmpack.packing` and builds THD
+batches with `mmpack.batch.pack_samples`.
+
+Pipeline per worker (Energon 7.4): cooker (lazy `Conversation`) -> ``preencode_sample`` (tokens,
+mask inputs, policy checks; users override `encode_conversation`) -> ``select_samples_to_pack``
+(every buffered sample lands in exactly one pack) -> ``postencode_sample`` (decodes the media of
+that selected sample only) -> ``pack_selected_samples`` (one `PackedBatch`) -> ``batch``.
+
+Checkpointing: every hook Energon re-runs on restore is ``@stateless``; randomness may only come
+from ``@stateless(restore_seeds=True)`` (``select_samples_to_pack`` derives the packer's seed from
+it). The only mutable state is statistics (`LoaderStats`) and the per-worker consecutive-skip
+guard, neither of which changes what is produced.
+
+Failures (`mmpack.energon.policy`): Energon's failure tolerance is set per instance from the
+config (finite; 0 is rejected). Policy skips raise ``SkipSample`` and are counted per reason;
+``max_consecutive_skips`` skips in a row stop the job with a `FatalSampleError` that explains why.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from collections.abc import Sequence
+from typing import Any, ClassVar
+
+import numpy as np
+from megatron.energon import DefaultTaskEncoder, SkipSample, stateless
+
+from mmpack import PackedTensor
+from mmpack.batch import EncodedSample, PackedBatch, pack_samples
+from mmpack.energon import conversation as markup
+from mmpack.energon.config import PackingEncoderConfig
+from mmpack.energon.cookers import default_cookers
+from mmpack.energon.media import MEDIA_KEYS
+from mmpack.energon.padded_batch import build_padded
+from mmpack.energon.policy import ConsecutiveSkipGuard, check_hooks, check_sample
+from mmpack.energon.samples import Conversation, EncodedConversation, SftBatch, SftPack
+from mmpack.energon.stats import LoaderStats
+from mmpack.energon.validation import check_optional_dependencies, resolve_media_settings
+from mmpack.errors import EnergonConfigError
+from mmpack.packing import pack
+
+__all__ = ["PackingTaskEncoder"]
+
+
+class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, SftPack, SftBatch]):
+    """Packing task encoder for multimodal SFT. Subclass and override `encode_conversation` to
+    change how a conversation becomes tokens; everything else (packing, masks, media, failure
+    handling, checkpoint rules) is shared.
+
+    Args:
+        config: `PackingEncoderConfig` (defaults if omitted).
+        tokenizer: a Hugging Face (fast) tokenizer; the default `encode_conversation` needs the
+            special tokens ``<|system|> <|user|> <|assistant|> <|end|>`` and one media token per
+            configured modality (``<image>``, ``<audio>``).
+        processor: object or mapping with the media settings of the configured modalities
+            (image: ``patch_size``; audio: ``sampling_rate``, ``hop_length``,
+            ``downsample_factor``), checked at construction.
+
+    The packer (`plan_packs`), the pack builder (`build_pack`) and the class of media values
+    (`packed_tensor_type`) are mmpack's; a subclass may replace them with implementations of the
+    same interfaces, for example to run the pipeline side by side with another implementation.
+    """
+
+    cookers = default_cookers()
+    #: Raw bytes reach the cookers: decoding is ours and lazy (Energon's default decoder would
+    #: decode every image part of every sample up front).
+    decoder = None
+    #: The class of the media values (``PackedTensor``'s constructor, ``merge_segments`` and
+    #: ``concat``).
+    packed_tensor_type: ClassVar[Any] = PackedTensor
+    #: How errors name the packer behind `plan_packs`.
+    packer_name: ClassVar[str] = "mmpack.packing.pack"
+
+    #: Hooks Energon re-runs when it restores a checkpoint (must be @stateless, finite tolerance).
+    RESTORED_HOOKS = (
+        "cook_crude_sample",
+        "preencode_sample",
+        "postencode_sample",
+        "pack_selected_samples",
+        "batch",
+    )
+    #: Hooks that only need a finite failure tolerance.
+    OTHER_HOOKS = ("select_samples_to_pack", "encode_batch")
+
+    def __init__(
+        self,
+        config: PackingEncoderConfig | None = None,
+        *,
+        tokenizer: Any = None,
+        processor: Any = None,
+    ) -> None:
+        super().__init__()
+        cfg = config if config is not None else PackingEncoderConfig()
+        if not isinstance(cfg, PackingEncoderConfig):
+            raise EnergonConfigError(
+                f"config must be a PackingEncoderConfig, got {type(cfg).__name__}; use "
+                "PackingEncoderConfig.from_dict / from_yaml"
+            )
+        self.config = cfg
+        # Energon reads this for every hook without an explicit tolerance (cooker included).
+        self.__default_failure_tolerance__ = cfg.failure_tolerance
+        self.media_settings = resolve_media_settings(processor, cfg.modalities)
+        check_optional_dependencies(cfg.modalities)
+        self.tokenizer = tokenizer
+        self._token_ids = (
+            markup.special_token_ids(tokenizer, cfg.modalities) if tokenizer is not None else {}
+        )
+        self._probe_packer()
+        check_hooks(
+            self,
+            restored_hooks=self.RESTORED_HOOKS,
+            other_hooks=self.OTHER_HOOKS,
+            default_tolerance=cfg.failure_tolerance,
+        )
+        self.stats = LoaderStats()
+        self._skip_guard = ConsecutiveSkipGuard(self.stats, cfg.max_consecutive_skips)
+
+    def _probe_packer(self) -> None:
+        """Fail at construction (not in a worker) if the packing options are invalid."""
+        cfg = self.config
+        try:
+            self.plan_packs(
+                np.array([1], dtype=np.int64),
+                None if cfg.media_capacity is None else np.array([0], dtype=np.int64),
+                seed=0,
+            )
+        except EnergonConfigError:
+            raise
+        except Exception as err:
+            raise EnergonConfigError(
+                f"packing options rejected by {self.packer_name}: {type(err).__name__}: {err}"
+            ) from err
+
+    def dataset_options(self) -> dict[str, int]:
+        """The packing options of ``get_train_dataset`` / ``get_val_dataset`` that must match
+        this encoder's config: ``get_train_dataset(path, **encoder.dataset_options(), ...)``."""
+        return {
+            "batch_size": self.config.batch_size,
+            "packing_buffer_size": self.config.packing_buffer_size,
+        }
+
+    # ------------------------------------------------------------------ user override points
+
+    def encode_conversation(self, conversation: Conversation) -> EncodedConversation:
+        """Tokens, per-message lengths/roles and (in ``"precomputed"`` mode) the loss mask of one
+        conversation, in the markup of `mmpack.energon.conversation`. Media stays lazy: only
+        its token count is used here."""
+        if self.tokenizer is None:
+            raise EnergonConfigError(
+                "PackingTaskEncoder needs a tokenizer (or a subclass that overrides "
+                "encode_conversation)"
+            )
+        cfg = self.config
+        return markup.encode_conversation(
+            conversation,
+            token_ids=self._token_ids,
+            tokenize=self.tokenize,
+            media_settings=self.media_settings,
+            train_roles=cfg.train_roles,
+            loss_mask_mode=cfg.loss_mask_mode,
+        )
+
+    def tokenize(self, texts: list[str]) -> list[list[int]]:
+        """Token ids of each text, without special tokens (one batched call)."""
+        return markup.tokenize(self.tokenizer, texts)
+
+    def _skip(self, sample: Any, reason: str, detail: str) -> SkipSample:
+        """Count a policy skip of `sample` and return the ``SkipSample`` to raise; raises
+        `FatalSampleError` when ``max_consecutive_skips`` samples in a row were skipped."""
+        return self._skip_guard.skip(sample, reason, detail)
+
+    def check_policy(self, conversation: Conversation, encoded: EncodedConversation) -> None:
+        """Raise `SkipSample` (counted per reason) for samples that are bad by policy, or
+        `SampleFormatError` / `LossMaskError` for malformed ones (a precomputed mask is validated
+        here). Override to add rules; call ``self._skip(sample, reason, detail)``."""
+        check_sample(self.config, conversation, encoded, self._skip)
+
+    def plan_packs(self, lengths: np.ndarray, media: np.ndarray | None, *, seed: int) -> Any:
+        """The packing of one buffer: `mmpack.packing.pack` of the sample `lengths` (and
+        `media` units) with the config's options. Returns an object with ``bin_offsets`` and
+        ``item_indices`` (a `mmpack.packing.Packing`)."""
+        cfg = self.config
+        return pack(
+            lengths,
+            cfg.capacity,
+            algorithm=cfg.algorithm,
+            max_items_per_bin=cfg.max_items_per_bin,
+            media=media,
+            media_capacity=cfg.media_capacity,
+            seed=seed,
+        )
+
+    def pack_options(self) -> dict[str, Any]:
+        """The keyword options of `mmpack.batch.pack_samples` taken from the config."""
+        cfg = self.config
+        return {
+            "loss_mask_mode": cfg.loss_mask_mode,
+            "train_roles": cfg.train_roles,
+            "pad_token_id": cfg.pad_token_id,
+            "pad_to_multiple_of": cfg.pad_to_multiple_of,
+            "ignore_index": cfg.ignore_index,
+            "cp_size": cfg.cp_size,
+        }
+
+    def build_pack(self, samples: Sequence[EncodedConversation]) -> PackedBatch:
+        """`PackedBatch` of decoded samples (`mmpack.batch.pack_samples`)."""
+        return pack_samples([self.to_encoded_sample(s) for s in samples], **self.pack_options())
+
+    def build_padded(self, samples: Sequence[EncodedConversation]) -> dict[str, Any]:
+        """Rows padded to the longest sample (the no-packing path)."""
+        return build_padded(samples, self.config, self.packed_tensor_type)
+
+    # ------------------------------------------------------------------ Energon hooks
+
+    @stateless
+    def cook_crude_sample(self, sample: Any, *args: Any, **kwargs: Any) -> Any:
+        self.stats.add("seen")
+        return super().cook_crude_sample(sample, *args, **kwargs)
+
+    # Deterministic, so plain @stateless: a subclass that adds randomness (augmentation) must
+    # decorate its override with @stateless(restore_seeds=True). (restore_seeds is not free:
+    # Energon saves and restores the torch/numpy/python RNG states around every call, about
+    # 1 ms per sample in a CPU worker.)
+    @stateless
+    def preencode_sample(self, sample: Conversation) -> EncodedConversation:
+        encoded = self.encode_conversation(sample)
+        self.check_policy(sample, encoded)
+        self._skip_guard.passed()
+        self.stats.add("encoded")
+        return encoded
+
+    @stateless(restore_seeds=True)
+    def select_samples_to_pack(
+        self, samples: list[EncodedConversation]
+    ) -> list[list[EncodedConversation]]:
+        lengths = np.fromiter((s.num_tokens for s in samples), dtype=np.int64, count=len(samples))
+        media = None
+        if self.config.media_capacity is not None:
+            media = np.fromiter(
+                (s.media_units for s in samples), dtype=np.int64, count=len(samples)
+            )
+        # seeded by Energon from (worker seed, call index): restorable
+        seed = random.getrandbits(63)
+        start = time.perf_counter_ns()
+        packing = self.plan_packs(lengths, media, seed=seed)
+        offsets = np.asarray(packing.bin_offsets).tolist()
+        items = np.asarray(packing.item_indices).tolist()
+        self.stats.add("select_ns", time.perf_counter_ns() - start)
+        if len(items) != len(samples) or sorted(items) != list(range(len(samples))):
+            raise RuntimeError(
+                f"packer returned {len(items)} placements for {len(samples)} samples; every "
+                "sample must be in exactly one pack"
+            )
+        return [[samples[i] for i in items[a:b]] for a, b in itertools.pairwise(offsets)]
+
+    @stateless
+    def postencode_sample(self, sample: EncodedConversation) -> EncodedConversation:
+        """Decode the media of one selected sample (the only place media is decoded)."""
+        decoded = self.decode_media(sample)
+        return EncodedConversation.derive_from(
+            sample,
+            token_ids=sample.token_ids,
+            loss_mask=sample.loss_mask,
+            message_lengths=sample.message_lengths,
+            message_roles=sample.message_roles,
+            media=sample.media,
+            media_units=sample.media_units,
+            decoded_media=decoded,
+        )
+
+    def decode_media(self, sample: EncodedConversation) -> dict[str, Any]:
+        """One `PackedTensor` row per configured modality (empty row when the sample has none).
+        Each media item carries its provenance, so ``merge_segments`` stores a media item
+        referenced twice once; it is also decoded once."""
+        cls = self.packed_tensor_type
+        out: dict[str, Any] = {}
+        decodes = 0
+        for kind in self.config.modalities:
+            decoded: dict[bytes, Any] = {}
+            items = []
+            for handle in sample.media:
+                if handle.kind != kind:
+                    continue
+                tensor = decoded.get(handle.provenance)
+                if tensor is None:
+                    tensor = decoded[handle.provenance] = handle.decode(self.media_settings)
+                    decodes += 1
+                items.append(cls([tensor], 0, _segment_provenance=[handle.provenance]))
+            if items:
+                out[MEDIA_KEYS[kind]] = cls.merge_segments(items)
+            else:
+                out[MEDIA_KEYS[kind]] = cls(
+                    [], 0, _row_offsets=[0, 0], _segment_indices=[], _segment_provenance=[]
+                )
+        if decodes:
+            self.stats.add("decoded", decodes)
+        return out
+
+    def to_encoded_sample(self, sample: EncodedConversation) -> EncodedSample:
+        """The `mmpack.batch.EncodedSample` of one (decoded) conversation."""
+        precomputed = self.config.loss_mask_mode == "precomputed"
+        return EncodedSample(
+            sample.__key__,
+            sample.token_ids,
+            loss_mask=sample.loss_mask if precomputed else None,
+            message_lengths=None if precomputed else sample.message_lengths,
+            message_roles=None if precomputed else sample.message_roles,
+            media=sample.decoded_media,
+        )
+
+    @stateless
+    def pack_selected_samples(self, samples: list[EncodedConversation]) -> SftPack:
+        if not samples:
+            # Energon calls this with [] when postencode failed for every member (each failure
+            # was already counted by the error handler): nothing to pack.
+            self.stats.add("empty_pack")
+            raise SkipSample("empty pack: every member failed in postencode_sample")
+        start = time.perf_counter_ns()
+        packed = self.build_pack(samples)
+        self.stats.add("build_ns", time.perf_counter_ns() - start)
+        keys = [s.__key__ for s in samples]
+        self.stats.add("packed", len(samples))
+        self.stats.add("packs")
+        return SftPack(
+            __key__=",".join(keys),
+            __restore_key__=(),
+            __sources__=tuple(src for s in samples for src in (s.__sources__ or ())),
+            packed=packed,
+            sample_keys=keys,
+            num_tokens=int(sum(s.num_tokens for s in samples)),
+            capacity=self.config.capacity,
+        )
+
+    @stateless
+    def batch(self, samples: list[Any]) -> SftBatch:
+        if samples and isinstance(samples[0], SftPack):
+            keys = [k for p in samples for k in p.sample_keys]
+            return SftBatch(
+                __key__=[p.__key__ for p in samples],
+                __restore_key__=(),
+                __sources__=tuple(src for p in samples for src in (p.__sources__ or ())),
+                sample_keys=keys,
+                num_tokens=sum(p.num_tokens for p in samples),
+                token_slots=sum(p.capacity for p in samples),
+                packs=[p.packed for p in samples],
+            )
+        start = time.perf_counter_ns()
+        padded = self.build_padded(samples)
+        self.stats.add("build_ns", time.perf_counter_ns() - start)
+        self.stats.add("padded", len(samples))
+        return SftBatch(
+            __key__=[s.__key__ for s in samples],
+            __restore_key__=(),
+            __sources__=tuple(src for s in samples for src in (s.__sources__ or ())),
+            sample_keys=[s.__key__ for s in samples],
+            num_tokens=sum(s.num_tokens for s in samples),
+            token_slots=int(padded["input_ids"].numel()),
+            padded=padded,
+        )
