@@ -106,12 +106,12 @@ def main() -> int:
         )
         return 0
 
-    from mmpack import _materialize
+    from mmpack import _transfer
     from mmpack.packed import PackedTensor
 
     device = torch.device("cuda", torch.cuda.current_device())
     print(f"gpu_check on {torch.cuda.get_device_name(device)}, torch {torch.__version__}\n")
-    counters = _materialize.transfer_counters()
+    counters = _transfer.transfer_counters()
     failures: list[str] = []
     rows: list[tuple[str, int, int, float, bool]] = []
 
@@ -194,7 +194,7 @@ def main() -> int:
     # a device move keeps sharing: one unique segment, many slots
     a = torch.randn(128, 1176)
     counters.reset()
-    moved = _materialize.move_segments([a, None, a, a], device)
+    moved = _transfer.move_segments([a, None, a, a], device)
     ok = moved[0] is moved[2] is moved[3] and moved[1] is None and counters.total_bytes == a.nbytes
     ok = ok and _same(moved[0], a)
     rows.append(("move_segments shares", counters.total_bytes, 3 * a.nbytes, 0.0, ok))

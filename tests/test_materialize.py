@@ -1,4 +1,4 @@
-"""Native materialization (``mmpack._materialize``) against the plain torch path.
+"""Native materialization (``mmpack._gather``, ``mmpack._transfer``) against the plain torch path.
 
 The oracle is NeMo-RL's algorithm as the plain-Python reference ``PackedTensor`` implements it
 (``tests/reference/packed_tensor.py``): build the logical list, drop ``None`` s, pad, ``torch.cat``.
@@ -13,7 +13,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
-from mmpack import _materialize, _native
+from mmpack import _gather, _native, _transfer
 from reference.packed_tensor import PackedTensor as RefPT
 from mmpack.errors import (
     GatherIndexError,
@@ -73,7 +73,7 @@ def _native_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
         calls.append(1)
         real(*args, **kwargs)
 
-    monkeypatch.setattr(_materialize._native, "gather_into", counting)
+    monkeypatch.setattr(_native, "gather_into", counting)
     return calls
 
 
@@ -97,7 +97,7 @@ def _ours(
     tensors: list[Any], indices: list[int] | None, dim: int, pad: bool, **kw: Any
 ) -> torch.Tensor | None:
     order = None if indices is None else np.asarray(indices, dtype=np.int64)
-    return _materialize.as_tensor(list(tensors), order, dim, pad, **kw)
+    return _gather.as_tensor(list(tensors), order, dim, pad, **kw)
 
 
 # ------------------------------------------------------------------------------------ examples
@@ -109,7 +109,7 @@ def test_every_dtype_matches_torch_cat(dtype: torch.dtype, monkeypatch: pytest.M
     segs: list[Any] = [_rand((3, 5), dtype, gen), None, _rand((2, 5), dtype, gen)]
     indices = [0, 1, 2, 0, 2, 2, 1]
     calls = _native_calls(monkeypatch)
-    monkeypatch.setattr(_materialize, "COMPACT_MIN_SEGMENTS", 10**9)
+    monkeypatch.setattr(_gather, "COMPACT_MIN_SEGMENTS", 10**9)
     got = _ours(segs, indices, 0, False)
     assert calls, "the native gather was not used"
     assert _same(got, _reference(segs, indices, 0, False))
@@ -194,9 +194,9 @@ def test_many_small_segments_take_the_compacted_path(
         calls.append(1)
         real(*args, **kwargs)
 
-    monkeypatch.setattr(_materialize._native, "gather_ranges_into", counting)
+    monkeypatch.setattr(_native, "gather_ranges_into", counting)
     gen = torch.Generator().manual_seed(9)
-    n = _materialize.COMPACT_MIN_SEGMENTS * 2
+    n = _gather.COMPACT_MIN_SEGMENTS * 2
     segs: list[Any] = []
     for i in range(n):
         shape = [2, 3, 2]
@@ -216,7 +216,7 @@ def test_one_element_segments_with_odd_strides() -> None:
     assert x.stride() == (5,) and x.is_contiguous()
     segs: list[Any] = [x, y.reshape(1)]
     assert _same(_ours(segs, [0, 1, 0], 0, False), _reference(segs, [0, 1, 0], 0, False))
-    views = _materialize._stage([x], torch.device("cpu"), non_blocking=False, pin_memory=False)
+    views = _transfer._stage([x], torch.device("cpu"), non_blocking=False, pin_memory=False)
     assert _same(views[0], x)
 
 
@@ -343,27 +343,27 @@ def test_device_argument_moves_tensors_in_place() -> None:
     a = torch.ones(2, 2)
     tensors: list[Any] = [a, None]
     identity = id(tensors)
-    got = _materialize.as_tensor(tensors, None, 0, False, "cpu")
+    got = _gather.as_tensor(tensors, None, 0, False, "cpu")
     assert id(tensors) == identity and tensors[0] is a and tensors[1] is None
     assert _same(got, a)
-    meta = _materialize.as_tensor(tensors, np.array([0, 0]), 0, False, "meta")
+    meta = _gather.as_tensor(tensors, np.array([0, 0]), 0, False, "meta")
     assert meta is not None and meta.device.type == "meta" and meta.shape == (4, 2)
     assert tensors[0] is not None and tensors[0].device.type == "meta"
 
 
 def test_move_segments_cpu_and_counters() -> None:
     a = torch.ones(2)
-    counters = _materialize.transfer_counters()
+    counters = _transfer.transfer_counters()
     before = counters.total_bytes
-    moved = _materialize.move_segments([a, None, a], "cpu")
+    moved = _transfer.move_segments([a, None, a], "cpu")
     assert moved[0] is a and moved[2] is a and moved[1] is None
     assert counters.total_bytes == before  # nothing crossed a bus
-    meta = _materialize.move_segments([a, None, a], "meta")
+    meta = _transfer.move_segments([a, None, a], "meta")
     assert meta[0] is meta[2] and meta[0].device.type == "meta"
     assert counters.total_bytes == before + a.numel() * a.element_size()
     # like NeMo-RL, every non-None entry is moved with `.to`
     with pytest.raises(AttributeError):
-        _materialize.move_segments([a, 3], "cpu")
+        _transfer.move_segments([a, 3], "cpu")
 
 
 def test_staging_buffer_views_equal_their_segments() -> None:
@@ -372,9 +372,7 @@ def test_staging_buffer_views_equal_their_segments() -> None:
     a = _rand((3, 4), torch.bfloat16, gen)
     b = _rand((4, 6), torch.bfloat16, gen)[:, ::2]  # non-contiguous
     c = _rand((), torch.bfloat16, gen)  # 0-d
-    views = _materialize._stage(
-        [a, b, c], torch.device("cpu"), non_blocking=False, pin_memory=False
-    )
+    views = _transfer._stage([a, b, c], torch.device("cpu"), non_blocking=False, pin_memory=False)
     assert [v.shape for v in views] == [a.shape, b.shape, c.shape]
     assert all(_same(v, t) for v, t in zip(views, [a, b, c], strict=True))
     base = views[0].untyped_storage().data_ptr()
@@ -475,7 +473,7 @@ def test_native_equals_torch_reference(case: Any, use_out: bool, compact: bool) 
     tensors, indices, dim, pad, _dtype = case
     threshold = 1 if compact else 10**9
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(_materialize, "COMPACT_MIN_SEGMENTS", threshold)
+        mp.setattr(_gather, "COMPACT_MIN_SEGMENTS", threshold)
         _check_against_reference(tensors, indices, dim, pad, use_out)
 
 

@@ -1,5 +1,6 @@
 """``mmpack.PackedTensor.as_tensor`` / ``.to`` and ``PackedBatch.to`` run on the native
-materialization path and the unique-segment device feed (``mmpack._materialize``)."""
+materialization path (``mmpack._gather``) and the unique-segment device feed
+(``mmpack._transfer``)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from mmpack import _materialize
+from mmpack import _native, _transfer
 from reference.packed_tensor import PackedTensor as RefPT
 from mmpack.batch import EncodedSample, pack_samples
 from mmpack.errors import OutBufferError, PinMemoryUnavailableError
@@ -19,13 +20,13 @@ from mmpack.packed import PackedTensor
 
 def _counting(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     calls: list[int] = []
-    real = _materialize._native.gather_into
+    real = _native.gather_into
 
     def counting(*args: Any, **kwargs: Any) -> None:
         calls.append(1)
         real(*args, **kwargs)
 
-    monkeypatch.setattr(_materialize._native, "gather_into", counting)
+    monkeypatch.setattr(_native, "gather_into", counting)
     return calls
 
 
@@ -95,7 +96,7 @@ def test_to_moves_each_unique_segment_once_and_keeps_provenance() -> None:
     value2 = PackedTensor([shared, None, shared], 0).enable_deduplication()
     prov = value2._segment_provenance
     old_list = value2.tensors
-    counters = _materialize.transfer_counters()
+    counters = _transfer.transfer_counters()
     before = counters.total_bytes
     assert value2.to("meta") is value2
     assert value2.tensors is not old_list  # NeMo-RL: `to` replaces the list
@@ -121,7 +122,7 @@ def test_packed_batch_to_moves_media_through_the_device_feed() -> None:
     pixels = batch.media["pixel_values"]
     assert len(pixels.tensors) == 1  # three samples, one physical image
     token_bytes = sum(getattr(batch, name).nbytes for name in batch._TENSOR_FIELDS)
-    counters = _materialize.transfer_counters()
+    counters = _transfer.transfer_counters()
     before = counters.total_bytes
     assert batch.to("meta") is batch
     assert batch.input_ids.device.type == "meta"
@@ -138,7 +139,7 @@ def test_nested_tensors_take_the_torch_path() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "nested tensors are a prototype"
         nested = torch.nested.nested_tensor([torch.ones(2, 3), torch.zeros(3, 3)])
-    assert not _materialize._is_plain_cpu(nested)
+    assert not _transfer.is_plain_cpu(nested)
     value = PackedTensor([nested, nested], 0)
     got = value.as_tensor()
     expected = torch.cat([nested, nested])

@@ -111,22 +111,22 @@ class PackedBatch:
         """Move every tensor (media included) to ``device``, in place; returns ``self``.
 
         In place like ``PackedTensor.to`` and NeMo-RL's ``BatchedDataDict.to``. Everything
-        crosses through ``mmpack._materialize.move_segments``: towards CUDA the token tensors
+        crosses through ``mmpack._transfer.move_segments``: towards CUDA the token tensors
         are staged in one pinned buffer per dtype and copied with ``non_blocking``; towards
         any other device the copy is blocking, since a non-blocking copy to the host can be
         read before it has completed.
         """
-        from mmpack import _materialize as materialize
+        from mmpack import _transfer
         from mmpack.packed import PackedTensor as Packed
 
         fields = self._TENSOR_FIELDS
-        moved = materialize.move_segments(
+        moved = _transfer.move_segments(
             [getattr(self, name) for name in fields], device, non_blocking=non_blocking
         )
         for name, tensor in zip(fields, moved, strict=True):
             setattr(self, name, tensor)
         for value in self.media.values():
-            if isinstance(value, Packed):  # unique segments cross once (mmpack._materialize)
+            if isinstance(value, Packed):  # unique segments cross once (mmpack._transfer)
                 value.to(device, non_blocking=non_blocking)
             else:
                 value.to(device)
