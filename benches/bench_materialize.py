@@ -20,19 +20,20 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-import sys
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the plain-Python references
+# The plain-Python references live with the tests.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 from mmpack import payload
-from reference.packed_tensor import PackedTensor as RefPT
 from mmpack.packed import PackedTensor
+from reference.packed_tensor import PackedTensor as RefPT
 
 G = 16
 

@@ -37,14 +37,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the plain-Python references
+# The plain-Python references live with the tests.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import mmpack
 import numpy as np
 import torch
-from reference.packed_tensor import PackedTensor as Ref
 from mmpack.demos.rl import expand_mmpack, expand_reference, make_images, per_prompt_values
+from reference.packed_tensor import PackedTensor as Ref
 
 MM: Any = mmpack.PackedTensor
 G = 16

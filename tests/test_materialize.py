@@ -14,7 +14,6 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 from mmpack import _gather, _native, _transfer
-from reference.packed_tensor import PackedTensor as RefPT
 from mmpack.errors import (
     GatherIndexError,
     GatherSizeError,
@@ -23,6 +22,7 @@ from mmpack.errors import (
     PinMemoryUnavailableError,
     SegmentMismatchError,
 )
+from reference.packed_tensor import PackedTensor as RefPT
 
 DTYPES = [
     torch.float32,

@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 import torch
 from mmpack import _native, _transfer
-from reference.packed_tensor import PackedTensor as RefPT
 from mmpack.batch import EncodedSample, pack_samples
 from mmpack.errors import OutBufferError, PinMemoryUnavailableError
 from mmpack.packed import PackedTensor
+from reference.packed_tensor import PackedTensor as RefPT
 
 
 def _counting(monkeypatch: pytest.MonkeyPatch) -> list[int]:

@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 import torch
 from mmpack import payload
-from reference.packed_tensor import PackedTensor as RefPT
 from mmpack.packed import PackedTensor as NativePT
+from reference.packed_tensor import PackedTensor as RefPT
 
 # mmpack's class and the plain reference (which has NeMo-RL's attributes): measure duck-types
 PT_CLASSES: list[Any] = [NativePT, RefPT]

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from mmpack import _native
+from mmpack._coerce import pack_dim as pack_dim_of
 from mmpack._native import PackedLayout
 from mmpack._transfer import (
     DeviceLike,
@@ -180,8 +181,8 @@ def _native_plan(
     for t in segs:
         if not is_plain_cpu(t) or t.dtype != dtype or t.dim() != rank:
             return None
-    pack_dim = dim_to_pack + rank if dim_to_pack < 0 else dim_to_pack
-    if not 0 <= pack_dim < rank:
+    pack_dim = pack_dim_of(dim_to_pack, rank)
+    if pack_dim is None:
         return None
     shapes = np.fromiter(
         itertools.chain.from_iterable(t.shape for t in segs), dtype=np.int64, count=len(segs) * rank
@@ -208,8 +209,8 @@ def _padded(items: list[Any], dim_to_pack: int) -> list[Any]:
             f"but received ranks {sorted(ranks)}"
         )
     rank = ranks.pop()
-    pack_dim = dim_to_pack if dim_to_pack >= 0 else rank + dim_to_pack
-    if not 0 <= pack_dim < rank:
+    pack_dim = pack_dim_of(dim_to_pack, rank)
+    if pack_dim is None:
         raise IndexError(f"dim_to_pack={dim_to_pack} is invalid for tensors with rank {rank}")
     max_shape = [max(t.shape[d] for t in items) for d in range(rank)]
     padded: dict[int, Any] = {}
@@ -239,8 +240,8 @@ def padded_logical_nbytes(tensors: Sequence[Any], refs: Sequence[int], dim_to_pa
         return 0
     ranks = {t.ndim for t in used}
     rank = next(iter(ranks))
-    pack = dim_to_pack if dim_to_pack >= 0 else rank + dim_to_pack
-    if len(ranks) != 1 or not 0 <= pack < rank:
+    pack = pack_dim_of(dim_to_pack, rank)
+    if len(ranks) != 1 or pack is None:
         # as_tensor raises here; count the unpadded bytes instead of failing a metric.
         return sum(c * segment_nbytes(t) for t, c in zip(tensors, refs, strict=False))
     max_shape = [max(t.shape[d] for t in used) for d in range(rank)]
@@ -367,8 +368,8 @@ def _cat_shape(
     rank = segs[0].dim()
     if rank == 0 or any(t.dim() != rank for t in segs):
         return None
-    pack_dim = dim_to_pack + rank if dim_to_pack < 0 else dim_to_pack
-    if not 0 <= pack_dim < rank:
+    pack_dim = pack_dim_of(dim_to_pack, rank)
+    if pack_dim is None:
         return None
     sizes = np.array([t.shape[pack_dim] for t in segs], dtype=np.int64)
     shape = list(segs[0].shape)
@@ -404,9 +405,9 @@ def _mismatch(segs: Sequence[torch.Tensor], dim_to_pack: int) -> str | None:
             f"dim_to_pack={dim_to_pack} (rank-0 tensors cannot be concatenated); "
             "pad_to_max_shape cannot pad a rank difference either"
         )
-    if not isinstance(dim_to_pack, int) or not -rank <= dim_to_pack < rank:
+    pack = pack_dim_of(dim_to_pack, rank)
+    if pack is None:
         return None
-    pack = dim_to_pack % rank
     first = shapes[0]
     for s in shapes:
         if any(a != b for d, (a, b) in enumerate(zip(s, first, strict=True)) if d != pack):

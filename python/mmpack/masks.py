@@ -39,6 +39,7 @@ __all__ = [
     "validate",
 ]
 
+
 def validate(
     mask: Any,
     num_tokens: int,

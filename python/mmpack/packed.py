@@ -34,7 +34,6 @@ Private hooks for other mmpack modules:
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Iterator, Sequence
 from copy import deepcopy
 from typing import Any
@@ -43,6 +42,7 @@ import numpy as np
 import torch
 
 from mmpack import _gather, _pickle_format, _transfer
+from mmpack._coerce import I64_MAX, I64_MIN, count_int, host_tensor, index_array
 from mmpack._native import (
     IndexOverflowError,
     LayoutError,
@@ -54,52 +54,11 @@ from mmpack._native import (
 __all__ = ["PackedTensor"]
 
 _EMPTY_I64 = np.zeros(0, dtype=np.int64)
-_I64_MIN, _I64_MAX = -(2**63), 2**63 - 1
-
-
-# ---------------------------------------------------------------------------------------------
-# argument coercion
-
-
-def _index_array(value: Any, name: str) -> np.ndarray | list[int]:
-    """``value`` as a contiguous int64 array; a ``list`` of Python ints when some do not fit
-    in int64 (the caller reports them with NeMo-RL's message)."""
-    if isinstance(value, torch.Tensor):
-        value = _host_tensor(value, name).numpy()
-    if isinstance(value, np.ndarray):
-        arr = value
-    else:
-        if isinstance(value, (str, bytes)) or not hasattr(value, "__len__"):
-            raise TypeError(f"{name} must be a sequence of int, got {type(value).__name__}")
-        try:
-            arr = np.asarray(value)
-        except (OverflowError, ValueError) as exc:
-            raise TypeError(f"{name} must be a sequence of int: {exc}") from None
-    if arr.ndim != 1:
-        raise TypeError(f"{name} must be a flat sequence of int, got {arr.ndim} dimensions")
-    if arr.size == 0:
-        return _EMPTY_I64
-    if arr.dtype.kind in "iub":
-        if arr.dtype.kind == "u" and arr.dtype.itemsize >= 8 and int(arr.max()) >= 2**63:
-            return [int(x) for x in arr]
-        return np.ascontiguousarray(arr, dtype=np.int64)
-    if arr.dtype == object and all(
-        isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in arr
-    ):
-        return [int(x) for x in arr]
-    raise TypeError(f"{name} must be a sequence of int, got elements of dtype {arr.dtype}")
-
-
-def _host_tensor(value: torch.Tensor, name: str) -> torch.Tensor:
-    """``value`` on the CPU, detached; a ``meta`` tensor (no data to read) is a TypeError."""
-    if value.device.type == "meta":
-        raise TypeError(f"{name} must hold data, got a tensor on the meta device")
-    return value.detach().cpu()
 
 
 def _rows_array(idx: Any, n_rows: int) -> np.ndarray:
     """Row selection as int64; NeMo-RL's IndexError for values beyond int64."""
-    rows = _index_array(idx, "indices")
+    rows = index_array(idx, "indices")
     if isinstance(rows, list):
         for row in rows:
             r = row + n_rows if row < 0 else row
@@ -107,20 +66,6 @@ def _rows_array(idx: Any, n_rows: int) -> np.ndarray:
                 raise IndexError(f"PackedTensor row index {r} is out of range")
         raise IndexError("PackedTensor row index out of range")  # pragma: no cover
     return rows
-
-
-def _count_arg(value: Any, name: str, error: type[Exception]) -> int:
-    """``value`` as an int64 count: TypeError for a non-integer, ``error`` (a typed
-    ``MmpackError``) for an int outside int64, which the native layer cannot take."""
-    if isinstance(value, bool):
-        raise TypeError(f"{name} must be an int, got bool")
-    try:
-        k = operator.index(value)
-    except TypeError:
-        raise TypeError(f"{name} must be an int, got {type(value).__name__}") from None
-    if not _I64_MIN <= k <= _I64_MAX:
-        raise error(f"{name} must fit in int64, got {k}")
-    return k
 
 
 # ---------------------------------------------------------------------------------------------
@@ -161,8 +106,8 @@ def _build_layout(
         )
     if row_offsets is None:
         return PackedLayout.build(n_physical, provenance=provenance)
-    offsets = _index_array(row_offsets, "_row_offsets")
-    indices = _index_array(segment_indices, "_segment_indices")
+    offsets = index_array(row_offsets, "_row_offsets")
+    indices = index_array(segment_indices, "_segment_indices")
     if isinstance(offsets, list) or isinstance(indices, list):
         _raise_beyond_int64([int(x) for x in offsets], [int(x) for x in indices], n_physical)
     assert isinstance(offsets, np.ndarray) and isinstance(indices, np.ndarray)
@@ -177,7 +122,7 @@ def _raise_beyond_int64(offsets: list[int], indices: list[int], n_physical: int)
     (the order of adjacent offsets, offsets equal to 0 or to the number of references, indices
     in range); its ``LayoutError`` is the ``ValueError`` NeMo-RL raises, with its message."""
     stand_in_offsets = _order_stand_ins(offsets, 0, len(indices))
-    stand_in_indices = [min(max(v, _I64_MIN), _I64_MAX) for v in indices]
+    stand_in_indices = [min(max(v, I64_MIN), I64_MAX) for v in indices]
     try:
         PackedLayout.build(n_physical, stand_in_offsets, np.array(stand_in_indices, dtype=np.int64))
     except LayoutError as exc:
@@ -190,8 +135,8 @@ def _order_stand_ins(values: list[int], lo: int, hi: int) -> np.ndarray:
     values inside that span are kept, the others move to the int64 limits by rank."""
     above = sorted({v for v in values if v > hi})
     below = sorted({v for v in values if v < lo})
-    stand_in = {v: _I64_MAX - len(above) + 1 + i for i, v in enumerate(above)}
-    stand_in.update({v: _I64_MIN + i for i, v in enumerate(below)})
+    stand_in = {v: I64_MAX - len(above) + 1 + i for i, v in enumerate(above)}
+    stand_in.update({v: I64_MIN + i for i, v in enumerate(below)})
     return np.array([stand_in.get(v, v) for v in values], dtype=np.int64)
 
 
@@ -485,7 +430,7 @@ class PackedTensor:
         lay = self._lay()
         if lay is None:
             idx = (
-                _host_tensor(indices, "indices").tolist()
+                host_tensor(indices, "indices").tolist()
                 if isinstance(indices, torch.Tensor)
                 else indices
             )
@@ -513,7 +458,7 @@ class PackedTensor:
     @classmethod
     def empty_rows_like(cls, other: PackedTensor, num_rows: int) -> PackedTensor:
         """``num_rows`` logical rows without media (NeMo-RL's three cases)."""
-        n = _count_arg(num_rows, "num_rows", LayoutError)
+        n = count_int(num_rows, "num_rows", error=LayoutError)
         if n < 0:
             raise LayoutError("num_rows must be non-negative")
         if isinstance(other, PackedTensor):
@@ -564,7 +509,7 @@ class PackedTensor:
         segments and provenance: GRPO's G-expansion without deep copies. The result is
         dedup-enabled (provenance is minted for a value without it; ``self`` is not changed)
         and holds the referenced segments in first-reference order, merged by provenance."""
-        k = _count_arg(repeats, "repeats", IndexOverflowError)
+        k = count_int(repeats, "repeats", error=IndexOverflowError)
         lay = self._lay()
         tensors = self._tensor_list()
         if lay is None:
@@ -576,7 +521,7 @@ class PackedTensor:
         """``num_shards`` contiguous shards with equal row counts, each compacted to the
         physical segments it references (like ``slice``). Raises ``ShardError`` (a
         ``ValueError``) when the rows do not split evenly."""
-        k = _count_arg(num_shards, "num_shards", ShardError)
+        k = count_int(num_shards, "num_shards", error=ShardError)
         lay = self._lay()
         cls = type(self)
         if lay is not None:

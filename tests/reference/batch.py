@@ -12,8 +12,6 @@ from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
-
-from reference import masks as ref_masks
 from mmpack.batch import EncodedSample, PackedBatch, merge_media
 from mmpack.errors import (
     BatchOptionError,
@@ -21,6 +19,8 @@ from mmpack.errors import (
     InvalidTokenError,
     MissingFieldError,
 )
+
+from reference import masks as ref_masks
 
 __all__ = ["pack_samples"]
 

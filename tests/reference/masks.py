@@ -11,7 +11,6 @@ from collections.abc import Hashable, Sequence
 
 import numpy as np
 import torch
-
 from mmpack.errors import LossMaskError, MessageSpanError, TurnStructureError
 
 __all__ = ["from_fragments", "from_roles", "turn_spans", "validate"]
