@@ -1,4 +1,4 @@
-"""Scale and memory benchmark (issue 7, item 4): mmpack at 10M rows / 10M lengths, and 1M repeated
+"""Scale and memory benchmark: mmpack at 10M rows / 10M lengths, and 1M repeated
 small operations with resident memory sampled to show it stays flat.
 
 Cases, each in a fresh subprocess so its peak resident memory (``VmHWM``) is its own:

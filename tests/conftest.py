@@ -49,7 +49,7 @@ def tokenizer() -> Any:
 
 @pytest.fixture
 def worker() -> Iterator[Any]:
-    """Lesson 3: code that needs an Energon WorkerConfig gets it from a fixture."""
+    """An Energon WorkerConfig for code that needs one outside a running loader."""
     from mmpack.energon.testing import active_worker
 
     with active_worker() as config:

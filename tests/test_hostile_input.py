@@ -1,4 +1,4 @@
-"""Hostile input through the public Python API (issue 7, item 2; pickle escapes: item 3).
+"""Hostile input through the public Python API, including escapes from the restricted unpickler.
 
 Every case must end in a typed ``mmpack.errors`` exception or one of the builtin types that
 NeMo-RL compatibility documents (``TypeError`` / ``ValueError`` / ``IndexError`` /
@@ -889,7 +889,7 @@ def test_nemo_rl_loads_rejects_non_bytes(data: Any) -> None:
 
 
 # ------------------------------------------------------------------------------------------
-# item 3: escape attempts through the restricted unpickler
+# escape attempts through the restricted unpickler
 
 
 class _Reduce:

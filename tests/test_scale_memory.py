@@ -1,4 +1,4 @@
-"""Scale and memory, CI-sized (issue 7, item 4): the cases of ``benches/bench_scale.py`` at 1M
+"""Scale and memory, CI-sized: the cases of ``benches/bench_scale.py`` at 1M
 rows / 1M lengths and 200k repeated small operations, each in a fresh interpreter, with
 generous bounds on resident memory (no timing assertions). The full 10M / 1M figures come from
 ``python benches/bench_scale.py``.

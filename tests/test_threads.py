@@ -1,4 +1,4 @@
-"""Threads (issue 7, item 5): mmpack used from 8 threads at once on shared inputs gives what one
+"""Threads: mmpack used from 8 threads at once on shared inputs gives what one
 thread gives, and long native calls release the GIL, so two of them overlap in time.
 
 No timing assertion: the overlap test checks *when* things happened (timestamps), not how fast.
