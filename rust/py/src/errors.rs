@@ -6,8 +6,18 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 
 // --- shared ---
-create_exception!(mmpack._native, MmpackError, PyValueError, "Base class of every mmpack error.");
-create_exception!(mmpack._native, IndexOverflowError, MmpackError, "Index arithmetic overflowed.");
+create_exception!(
+    mmpack._native,
+    MmpackError,
+    PyValueError,
+    "Base class of every mmpack error."
+);
+create_exception!(
+    mmpack._native,
+    IndexOverflowError,
+    MmpackError,
+    "Index arithmetic overflowed."
+);
 // --- csr / intern ---
 create_exception!(
     mmpack._native,
@@ -80,8 +90,18 @@ create_exception!(
     MmpackError,
     "A sample lacks a field its loss-mask mode needs."
 );
-create_exception!(mmpack._native, EmptySampleError, MmpackError, "A sample (or a batch) has no tokens.");
-create_exception!(mmpack._native, InvalidTokenError, MmpackError, "A token id is negative.");
+create_exception!(
+    mmpack._native,
+    EmptySampleError,
+    MmpackError,
+    "A sample (or a batch) has no tokens."
+);
+create_exception!(
+    mmpack._native,
+    InvalidTokenError,
+    MmpackError,
+    "A token id is negative."
+);
 create_exception!(
     mmpack._native,
     BatchOptionError,
@@ -165,7 +185,10 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     // --- packing ---
     m.add("ItemTooLargeError", py.get_type::<ItemTooLargeError>())?;
     m.add("InvalidLengthError", py.get_type::<InvalidLengthError>())?;
-    m.add("PackingArgumentError", py.get_type::<PackingArgumentError>())?;
+    m.add(
+        "PackingArgumentError",
+        py.get_type::<PackingArgumentError>(),
+    )?;
     m.add("BinCountError", py.get_type::<BinCountError>())?;
     // --- mask / batch ---
     m.add("LossMaskError", py.get_type::<LossMaskError>())?;
