@@ -158,9 +158,9 @@ def _shuffle_order(n: int, rng: random.Random | None) -> IntArray:
     source: Any = random if rng is None else rng
     version, words, gauss = source.getstate()
     state = np.array(words[:624], dtype=np.uint32)
-    perm, new_words, pos = _native.shuffle_permutation(state, int(words[624]), n)
-    source.setstate((version, (*new_words.tolist(), pos), gauss))
-    return perm
+    shuffled = _native.shuffle_permutation(state, int(words[624]), n)
+    source.setstate((version, (*shuffled.state.tolist(), shuffled.pos), gauss))
+    return shuffled.permutation
 
 
 # ----------------------------------------------------------------------------- results
@@ -266,7 +266,7 @@ def pack(
     if name == "first_fit_shuffle":
         seed_value = _int_arg("seed", seed, -(2**63))
         order = _shuffle_order(len(arr), random.Random(seed_value))
-    offsets, items, loads, bin_media, oversize, total = _native.pack(
+    out = _native.pack(
         arr,
         cap,
         name,
@@ -280,14 +280,14 @@ def pack(
         search_budget=budget,
     )
     return Packing(
-        bin_offsets=offsets,
-        item_indices=items,
-        bin_loads=loads,
-        oversize=oversize,
+        bin_offsets=out.bin_offsets,
+        item_indices=out.item_indices,
+        bin_loads=out.bin_loads,
+        oversize=out.oversize,
         capacity=cap,
         algorithm=name,
-        total_length=total,
-        bin_media=bin_media,
+        total_length=out.total_length,
+        bin_media=out.bin_media,
         media_capacity=med_cap,
         on_oversize=on_oversize,
         _lengths=arr,
@@ -349,10 +349,8 @@ def assign_to_ranks(packing: Packing, num_ranks: int, *, cost: str = "tokens") -
         raise PackingArgumentError("invalid packing argument packing: has no lengths attached")
     if packing.on_oversize == "truncate" and len(packing.oversize):
         lengths = np.minimum(lengths, packing.capacity)
-    rank_offsets, bin_indices, rank_costs, bin_costs = _native.assign_to_ranks(
-        packing.bin_offsets, packing.item_indices, lengths, ranks, cost
-    )
-    return RankAssignment(rank_offsets, bin_indices, rank_costs, bin_costs, cost)
+    out = _native.assign_to_ranks(packing.bin_offsets, packing.item_indices, lengths, ranks, cost)
+    return RankAssignment(out.rank_offsets, out.bin_indices, out.rank_costs, out.bin_costs, cost)
 
 
 # ----------------------------------------------------------------------------- NeMo-RL facade
@@ -602,8 +600,16 @@ class SequencePacker:
             order=order,
             allow_zero=not mffd,
         )
-        offsets, items, loads, _, oversize, total = out
-        return Packing(offsets, items, loads, oversize, cap, alg.value, total, _lengths=arr)
+        return Packing(
+            out.bin_offsets,
+            out.item_indices,
+            out.bin_loads,
+            out.oversize,
+            cap,
+            alg.value,
+            out.total_length,
+            _lengths=arr,
+        )
 
     def pack(self, sequence_lengths: Sequence[int]) -> list[list[int]]:
         """Packs and returns bins as lists of indices into ``sequence_lengths``."""
