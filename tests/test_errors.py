@@ -132,3 +132,15 @@ def test_internal_gather_errors_map_to_the_area_base() -> None:
         _native.gather_into(out, [np.arange(4, dtype=np.uint8)], np.array([3], dtype=np.int64))
     assert type(info.value) is errors.PackedTensorError
     assert "order[0] = 3 is out of range for 1 source segments" in str(info.value)
+
+
+def test_packed_concat_refuses_an_unknown_mode_and_missing_layouts() -> None:
+    from mmpack import PackedTensor
+
+    with pytest.raises(ValueError, match="unknown concat mode 'stack'; known: concat, merge"):
+        _native.packed_concat([], [], "stack")  # type: ignore[arg-type]
+    v = PackedTensor([None], 0)
+    with pytest.raises(ValueError, match="layouts must have one entry per value"):
+        _native.packed_concat([v, v], [None], "concat")
+    out = _native.packed_concat([v, v], [None, None], "concat")
+    assert out.layout is None and out.tensors == [None, None] and out.dim_to_pack == 0

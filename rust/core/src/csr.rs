@@ -81,10 +81,9 @@ pub struct ConcatInput<'a> {
 }
 
 impl ConcatInput<'_> {
+    /// Rows as the layout counts them (without a layout: one per segment).
     fn rows(&self) -> usize {
-        self.layout
-            .and_then(PackedLayout::csr)
-            .map_or(self.n_physical, Csr::rows)
+        self.layout.map_or(self.n_physical, PackedLayout::rows)
     }
 }
 
@@ -690,9 +689,11 @@ pub fn concat(inputs: &[ConcatInput<'_>]) -> CoreResult<Concat> {
             Some(c) => c.indices.len(),
             None => input.n_physical,
         };
-        total_rows = total_rows
-            .checked_add(input.rows())
-            .ok_or(ovf("the row count"))?;
+        let rows = match input.layout.and_then(PackedLayout::csr) {
+            Some(c) => c.rows(),
+            None => input.n_physical,
+        };
+        total_rows = total_rows.checked_add(rows).ok_or(ovf("the row count"))?;
         total_refs = total_refs
             .checked_add(refs)
             .ok_or(ovf("the reference count"))?;

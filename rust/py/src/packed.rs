@@ -480,7 +480,7 @@ fn py_packed_concat<'py>(
             (None, Some(out))
         }
         ConcatOutcome::Interned(result) => {
-            // `sources` name existing inputs and their segments.
+            debug_assert!(result.sources.iter().all(|&(k, _)| k < inputs.len()));
             let items = result
                 .sources
                 .iter()
