@@ -137,7 +137,7 @@ def test_internal_gather_errors_map_to_the_area_base() -> None:
 def test_packed_concat_refuses_an_unknown_mode_and_missing_layouts() -> None:
     from mmpack import PackedTensor
 
-    with pytest.raises(ValueError, match="unknown concat mode 'stack'; known: concat, merge"):
+    with pytest.raises(ValueError, match='unknown concat mode "stack"; known: concat, merge'):
         _native.packed_concat([], [], "stack")  # type: ignore[arg-type]
     v = PackedTensor([None], 0)
     with pytest.raises(ValueError, match="layouts must have one entry per value"):
