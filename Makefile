@@ -43,8 +43,14 @@ test-rust:
 test-python: build
 	$(PY) -m pytest -q
 
+# Every crate: the workspace (core, bindings, benches) and the fuzz crate, which is its own
+# workspace (its checks also compile into the core's tests).
 .PHONY: lint
 lint: venv
+	cargo fmt --all --check
+	cargo fmt --all --check --manifest-path fuzz/Cargo.toml
+	cargo clippy --workspace --all-targets --profile $(PROFILE) --locked -- -D warnings
+	cargo clippy --manifest-path fuzz/Cargo.toml --all-targets --locked -- -D warnings
 	ruff check python tests benches
 	ruff format --check python tests benches
 	$(PY) -m mypy

@@ -1,6 +1,6 @@
 //! The batch builder against a direct model of the THD layout (see `mmpack_core::batch`):
 //! identical arrays when the model accepts the samples, an error when it refuses them.
-use mmpack_core::batch::{build, pad_multiple, BatchOptions, MaskMode, PackedLayout, SampleRef};
+use mmpack_core::batch::{build, pad_multiple, BatchOptions, MaskMode, SampleRef, ThdLayout};
 use mmpack_core::mask::MaskView;
 
 use crate::bytes::Bytes;
@@ -66,11 +66,7 @@ fn gen_sample(b: &mut Bytes<'_>, k: usize) -> Sample {
 }
 
 /// The layout, or `None` when the samples or options must be refused.
-fn model(
-    samples: &[Sample],
-    opts: &BatchOptions<'_>,
-    u8_masks: &[Vec<u8>],
-) -> Option<PackedLayout> {
+fn model(samples: &[Sample], opts: &BatchOptions<'_>, u8_masks: &[Vec<u8>]) -> Option<ThdLayout> {
     if samples.is_empty() || opts.pad_to_multiple_of < 1 || opts.cp_size < 1 {
         return None;
     }
@@ -86,7 +82,7 @@ fn model(
         }
         pad / a * two
     };
-    let mut out = PackedLayout {
+    let mut out = ThdLayout {
         input_ids: Vec::new(),
         labels: Vec::new(),
         loss_mask: Vec::new(),

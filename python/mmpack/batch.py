@@ -269,15 +269,14 @@ def pack_samples(
             for s in samples:
                 _check_messages(s)
         raise
-    ids, labels, mask, pos, cu, cu_padded, max_seqlen = out
     return PackedBatch(
-        input_ids=torch.from_numpy(ids),
-        labels=torch.from_numpy(labels),
-        loss_mask=torch.from_numpy(mask),
-        position_ids=torch.from_numpy(pos),
-        cu_seqlens=torch.from_numpy(cu),
-        cu_seqlens_padded=torch.from_numpy(cu_padded),
-        max_seqlen=int(max_seqlen),
+        input_ids=torch.from_numpy(out.input_ids),
+        labels=torch.from_numpy(out.labels),
+        loss_mask=torch.from_numpy(out.loss_mask),
+        position_ids=torch.from_numpy(out.position_ids),
+        cu_seqlens=torch.from_numpy(out.cu_seqlens),
+        cu_seqlens_padded=torch.from_numpy(out.cu_seqlens_padded),
+        max_seqlen=int(out.max_seqlen),
         sample_ids=[s.sample_id for s in samples],
         media=merge_media(samples),
     )

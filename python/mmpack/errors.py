@@ -1,6 +1,21 @@
-"""Every error mmpack raises on bad input. All are ``ValueError`` subclasses of ``MmpackError``,
-except where NeMo-RL compatibility demands a builtin type (documented at the raising site).
-Each area keeps its names in its own section."""
+"""Every error mmpack raises on bad input.
+
+All are subclasses of ``MmpackError`` (a ``ValueError``), grouped by area so that one
+``except`` catches a whole area::
+
+    MmpackError
+    ├── IndexOverflowError            a length, count or offset does not fit
+    ├── PackedTensorError             PackedTensor layout, provenance, shards, segments
+    ├── PackingError                  sequence packing (lengths, budgets, bin counts, arguments)
+    ├── BatchError                    packed batches (samples, loss masks, turns, media, options)
+    ├── EnergonDataError              the Megatron-Energon integration (config, samples)
+    └── PickleSecurityError           the safe NeMo-RL pickle loader (unsafe or corrupt input)
+
+Where NeMo-RL raises a builtin type mmpack raises it too, or a class that is also that builtin
+(documented on each class and at the raising site). The native classes come from one table in
+``rust/py/src/errors.rs`` (``mmpack._native.ERROR_NAMES`` lists them); the others are defined
+here. Each area keeps its names in its own section.
+"""
 
 import pickle
 
@@ -8,8 +23,9 @@ from mmpack._native import (
     # --- shared ---
     IndexOverflowError,
     MmpackError,
-    # --- csr / intern ---
+    # --- PackedTensor ---
     LayoutError,
+    PackedTensorError,
     ProvenanceError,
     ShardError,
     # --- packing ---
@@ -17,7 +33,9 @@ from mmpack._native import (
     InvalidLengthError,
     ItemTooLargeError,
     PackingArgumentError,
-    # --- mask / batch ---
+    PackingError,
+    # --- batch ---
+    BatchError,
     BatchOptionError,
     EmptySampleError,
     InvalidTokenError,
@@ -25,78 +43,80 @@ from mmpack._native import (
     MessageSpanError,
     MissingFieldError,
     TurnStructureError,
-    # --- gather ---
-    GatherIndexError,
-    GatherSizeError,
 )
 
 # --- packing (pure Python) ---
 
 
-class PackingDtypeError(MmpackError, TypeError):
+class PackingDtypeError(PackingError, TypeError):
     """Lengths (or media counts) given to ``mmpack.packing`` are not integers: floats, bools,
     strings or objects. Both a ``ValueError`` and a ``TypeError``."""
 
 
 # --- end packing ---
 
-# --- gather (pure Python) ---
+# --- PackedTensor (pure Python) ---
 
 
-class OutBufferError(MmpackError, TypeError):
+class OutBufferError(PackedTensorError, TypeError):
     """The ``out=`` buffer given to ``PackedTensor.as_tensor`` does not fit the result: wrong
     shape, dtype or device, not contiguous, or overlapping the segments being gathered. Both a
     ``ValueError`` and a ``TypeError``."""
 
 
-class PinMemoryUnavailableError(MmpackError, RuntimeError):
+class PinMemoryUnavailableError(PackedTensorError, RuntimeError):
     """``pin_memory=True`` was asked for but this torch build has no accelerator to pin host
     memory for (page-locked memory needs CUDA)."""
 
 
-class SegmentMismatchError(MmpackError, RuntimeError):
+class SegmentMismatchError(PackedTensorError, RuntimeError):
     """The segments of a ``PackedTensor`` cannot be concatenated by ``as_tensor``: they live on
     different devices (or on ``meta`` while data is needed), have different ranks, or differ in
     a dimension other than ``dim_to_pack`` without ``pad_to_max_shape``. The message names the
     devices or shapes. Also a ``RuntimeError``, which NeMo-RL (``torch.cat``) raises there."""
 
 
-# --- mask / batch (pure Python) ---
+# --- batch (pure Python) ---
 
 
-class ChatTemplateError(MmpackError):
+class ChatTemplateError(BatchError):
     """A chat template cannot give token ids and a loss mask: the tokenizer has no template,
     the conversation is empty, or the template is not prefix-stable (per-message boundaries
     are unknown)."""
 
 
-class BatchMediaError(MmpackError):
+class BatchMediaError(BatchError):
     """The media of one key cannot be merged across the samples of a pack (for example
     different ``dim_to_pack``); the message names the key and the samples."""
 
 
-# --- end mask / batch ---
+# --- end batch ---
 
 # --- energon (pure Python) ---
 
 
-class EnergonConfigError(MmpackError):
+class EnergonDataError(MmpackError):
+    """Base class of the Megatron-Energon integration's errors: encoder configuration,
+    modalities, sample formats and skipped samples."""
+
+
+class EnergonConfigError(EnergonDataError):
     """A `PackingEncoderConfig` (or a loader option) is invalid: an unknown or retired field, a
     value out of range (a failure tolerance of 0), or a checkpoint that does not fit the loader."""
 
 
-class ModalityConfigError(MmpackError):
+class ModalityConfigError(EnergonDataError):
     """A configured modality is not fully supported by the processor / feature-extractor
     settings; the message names every missing setting. Raised at construction, before any
     sample is read."""
 
 
-class SampleFormatError(MmpackError):
+class SampleFormatError(EnergonDataError):
     """A raw sample cannot be cooked or encoded (malformed JSON, a media placeholder without a
     manifest entry, a missing media key); the message names the sample."""
 
 
-class TooManySkippedError(MmpackError):
+class TooManySkippedError(EnergonDataError):
     """Too many consecutive samples were skipped by policy. Energon waits forever when every
     sample is skipped, so the encoder stops the job instead; the message gives counts per reason."""
 
@@ -106,17 +126,21 @@ class TooManySkippedError(MmpackError):
 # --- compat (pure Python) ---
 
 
-class UnsafePickleError(MmpackError, pickle.UnpicklingError):
+class PickleSecurityError(MmpackError, pickle.UnpicklingError):
+    """Base class of the refusals of ``mmpack.compat.nemo_rl.loads`` / ``load``: a pickle that
+    is unsafe or not readable. Also a ``pickle.UnpicklingError``, so code that catches that
+    keeps working."""
+
+
+class UnsafePickleError(PickleSecurityError):
     """A pickle handed to ``mmpack.compat.nemo_rl.loads`` / ``load`` references a global that a
-    PackedTensor payload never needs (for example ``os.system``); the message names it. Also a
-    ``pickle.UnpicklingError``, so code that catches that keeps working."""
+    PackedTensor payload never needs (for example ``os.system``); the message names it."""
 
 
-class CorruptPickleError(MmpackError, pickle.UnpicklingError):
+class CorruptPickleError(PickleSecurityError):
     """``mmpack.compat.nemo_rl.loads`` / ``load`` got bytes that are not a readable pickle or
     ``torch.save`` archive (truncated, bit-flipped, inconsistent length fields or tensor
-    records); the original error is chained as ``__cause__``. Also a
-    ``pickle.UnpicklingError``."""
+    records); the original error is chained as ``__cause__``."""
 
 
 # --- end compat ---
@@ -125,9 +149,13 @@ __all__ = [
     # --- shared ---
     "IndexOverflowError",
     "MmpackError",
-    # --- csr / intern ---
+    # --- PackedTensor ---
     "LayoutError",
+    "OutBufferError",
+    "PackedTensorError",
+    "PinMemoryUnavailableError",
     "ProvenanceError",
+    "SegmentMismatchError",
     "ShardError",
     # --- packing ---
     "BinCountError",
@@ -135,7 +163,9 @@ __all__ = [
     "ItemTooLargeError",
     "PackingArgumentError",
     "PackingDtypeError",
-    # --- mask / batch ---
+    "PackingError",
+    # --- batch ---
+    "BatchError",
     "BatchMediaError",
     "BatchOptionError",
     "ChatTemplateError",
@@ -145,18 +175,14 @@ __all__ = [
     "MessageSpanError",
     "MissingFieldError",
     "TurnStructureError",
-    # --- gather ---
-    "GatherIndexError",
-    "GatherSizeError",
-    "OutBufferError",
-    "PinMemoryUnavailableError",
-    "SegmentMismatchError",
     # --- energon (pure Python) ---
     "EnergonConfigError",
+    "EnergonDataError",
     "ModalityConfigError",
     "SampleFormatError",
     "TooManySkippedError",
     # --- compat (pure Python) ---
     "CorruptPickleError",
+    "PickleSecurityError",
     "UnsafePickleError",
 ]

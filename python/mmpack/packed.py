@@ -140,17 +140,26 @@ def _order_stand_ins(values: list[int], lo: int, hi: int) -> np.ndarray:
     return np.array([stand_in.get(v, v) for v in values], dtype=np.int64)
 
 
-def _layout_of(value: Any) -> PackedLayout | None:
-    """The native handle of any PackedTensor-like value (used by the native ``concat`` for
-    values whose ``__dict__`` lacks a handle: raw NeMo-RL state or a foreign class)."""
-    if isinstance(value, PackedTensor):
-        return value._lay()
-    return _build_layout(
-        len(value.tensors),
-        getattr(value, "_row_offsets", None),
-        getattr(value, "_segment_indices", None),
-        getattr(value, "_segment_provenance", None),
-    )
+def _layouts_of(values: list[Any]) -> list[PackedLayout | None]:
+    """The native handle of each PackedTensor-like value, for the native ``packed_concat``
+    (a foreign class or raw NeMo-RL state gets one built from its fields). Stops at the first
+    value without ``tensors``: the native call raises the ``TypeError`` naming it."""
+    out: list[PackedLayout | None] = []
+    for value in values:
+        if isinstance(value, PackedTensor):
+            out.append(value._lay())
+        elif hasattr(value, "tensors"):
+            out.append(
+                _build_layout(
+                    len(value.tensors),
+                    getattr(value, "_row_offsets", None),
+                    getattr(value, "_segment_indices", None),
+                    getattr(value, "_segment_provenance", None),
+                )
+            )
+        else:
+            break
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -481,26 +490,30 @@ class PackedTensor:
     def concat(cls, from_packed_tensors: list[PackedTensor]) -> PackedTensor:
         """Concatenate rows. If any input is dedup-enabled or CSR, physical segments are
         re-interned by provenance (first occurrence wins) and the result is dedup-enabled."""
-        dim, pad, lay, tensors = packed_concat(from_packed_tensors, 0)
-        assert tensors is not None
-        return cls._make(tensors, dim, pad, lay)
+        values = list(from_packed_tensors)
+        out = packed_concat(values, _layouts_of(values), "concat")
+        assert out.tensors is not None
+        return cls._make(out.tensors, out.dim_to_pack, out.pad_to_max_shape, out.layout)
 
     @classmethod
     def merge_segments(cls, from_packed_tensors: list[PackedTensor]) -> PackedTensor:
         """Merge one conversation's per-turn values: legacy inputs give one row per turn,
         otherwise a single row re-interned like ``concat``."""
-        dim, pad, lay, tensors = packed_concat(from_packed_tensors, 1)
-        assert tensors is not None
-        return cls._make(tensors, dim, pad, lay)
+        values = list(from_packed_tensors)
+        out = packed_concat(values, _layouts_of(values), "merge_segments")
+        assert out.tensors is not None
+        return cls._make(out.tensors, out.dim_to_pack, out.pad_to_max_shape, out.layout)
 
     @classmethod
     def flattened_concat(cls, from_packed_tensors: list[PackedTensor]) -> PackedTensor:
         """Cross-conversation batch step: dedup inputs (one row each) are re-interned like
         ``concat``; legacy inputs are each materialized into one row."""
-        dim, pad, lay, tensors = packed_concat(from_packed_tensors, 2)
-        if tensors is None:
-            return cls([p.as_tensor() for p in from_packed_tensors], dim, pad_to_max_shape=pad)
-        return cls._make(tensors, dim, pad, lay)
+        values = list(from_packed_tensors)
+        out = packed_concat(values, _layouts_of(values), "flattened_concat")
+        dim, pad = out.dim_to_pack, out.pad_to_max_shape
+        if out.tensors is None:
+            return cls([p.as_tensor() for p in values], dim, pad_to_max_shape=pad)
+        return cls._make(out.tensors, dim, pad, out.layout)
 
     # ------------------------------------------------------------------ extras
 

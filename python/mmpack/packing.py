@@ -99,9 +99,9 @@ def _shuffle_order(n: int, rng: random.Random | None) -> IntArray:
     source: Any = random if rng is None else rng
     version, words, gauss = source.getstate()
     state = np.array(words[:624], dtype=np.uint32)
-    perm, new_words, pos = _native.shuffle_permutation(state, int(words[624]), n)
-    source.setstate((version, (*new_words.tolist(), pos), gauss))
-    return perm
+    shuffled = _native.shuffle_permutation(state, int(words[624]), n)
+    source.setstate((version, (*shuffled.state.tolist(), shuffled.pos), gauss))
+    return shuffled.permutation
 
 
 # ----------------------------------------------------------------------------- results
@@ -207,7 +207,7 @@ def pack(
     if name == "first_fit_shuffle":
         seed_value = packing_int(seed, "seed", I64_MIN)
         order = _shuffle_order(len(arr), random.Random(seed_value))
-    offsets, items, loads, bin_media, oversize, total = _native.pack(
+    out = _native.pack(
         arr,
         cap,
         name,
@@ -221,14 +221,14 @@ def pack(
         search_budget=budget,
     )
     return Packing(
-        bin_offsets=offsets,
-        item_indices=items,
-        bin_loads=loads,
-        oversize=oversize,
+        bin_offsets=out.bin_offsets,
+        item_indices=out.item_indices,
+        bin_loads=out.bin_loads,
+        oversize=out.oversize,
         capacity=cap,
         algorithm=name,
-        total_length=total,
-        bin_media=bin_media,
+        total_length=out.total_length,
+        bin_media=out.bin_media,
         media_capacity=med_cap,
         on_oversize=on_oversize,
         _lengths=arr,

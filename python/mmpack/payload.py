@@ -80,7 +80,7 @@ class _Acc:
         self.logical_bytes = 0
         self.physical_segments = 0
         self.logical_segments = 0
-        self.seen: set[int] = set()
+        self.seen = _native.SeenSegments()
 
     def leaf(self, nbytes: int, key: int) -> None:
         self.logical_bytes += nbytes
@@ -93,13 +93,13 @@ class _Acc:
 
     def packed(self, value: Any) -> None:
         """One ``PackedTensor``-like value, in one native call (no per-segment Python)."""
-        phys_bytes, phys_segs, log_bytes, log_segs = _native.measure_segments(
+        totals = _native.measure_segments(
             value.tensors, _segment_order(value), self.seen, _ARRAY_TYPES
         )
-        self.physical_bytes += phys_bytes
-        self.physical_segments += phys_segs
-        self.logical_bytes += log_bytes
-        self.logical_segments += log_segs
+        self.physical_bytes += totals.physical_bytes
+        self.physical_segments += totals.physical_segments
+        self.logical_bytes += totals.logical_bytes
+        self.logical_segments += totals.logical_segments
 
 
 #: What counts as a segment inside a ``PackedTensor`` (any other entry, ``None`` included, is

@@ -83,7 +83,5 @@ def assign_to_ranks(packing: Packing, num_ranks: int, *, cost: str = "tokens") -
         raise PackingArgumentError("invalid packing argument packing: has no lengths attached")
     if packing.on_oversize == "truncate" and len(packing.oversize):
         lengths = np.minimum(lengths, packing.capacity)
-    rank_offsets, bin_indices, rank_costs, bin_costs = _native.assign_to_ranks(
-        packing.bin_offsets, packing.item_indices, lengths, ranks, cost
-    )
-    return RankAssignment(rank_offsets, bin_indices, rank_costs, bin_costs, cost)
+    out = _native.assign_to_ranks(packing.bin_offsets, packing.item_indices, lengths, ranks, cost)
+    return RankAssignment(out.rank_offsets, out.bin_indices, out.rank_costs, out.bin_costs, cost)

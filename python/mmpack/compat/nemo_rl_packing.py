@@ -278,8 +278,16 @@ class SequencePacker:
             order=order,
             allow_zero=not mffd,
         )
-        offsets, items, loads, _, oversize, total = out
-        return Packing(offsets, items, loads, oversize, cap, alg.value, total, _lengths=arr)
+        return Packing(
+            out.bin_offsets,
+            out.item_indices,
+            out.bin_loads,
+            out.oversize,
+            cap,
+            alg.value,
+            out.total_length,
+            _lengths=arr,
+        )
 
     def pack(self, sequence_lengths: Sequence[int]) -> list[list[int]]:
         """Packs and returns bins as lists of indices into ``sequence_lengths``."""

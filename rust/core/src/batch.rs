@@ -45,9 +45,9 @@ pub struct BatchOptions<'a> {
     pub cp_size: i64,
 }
 
-/// The flat arrays of one pack.
+/// The flat arrays of one pack in Megatron's THD layout (see the module docs).
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PackedLayout {
+pub struct ThdLayout {
     pub input_ids: Vec<i64>,
     pub labels: Vec<i64>,
     pub loss_mask: Vec<bool>,
@@ -158,7 +158,7 @@ fn extend_mask(
 /// # Errors
 /// `EmptyBatch`, `EmptySample`, `InvalidToken`, `MissingField`, mask errors (`MaskLength`,
 /// `MaskValue`, `SpanMismatch`), `BatchOption`, `IndexOverflow` (a pack past `i32::MAX` tokens).
-pub fn build(samples: &[SampleRef<'_>], opts: &BatchOptions<'_>) -> CoreResult<PackedLayout> {
+pub fn build(samples: &[SampleRef<'_>], opts: &BatchOptions<'_>) -> CoreResult<ThdLayout> {
     if samples.is_empty() {
         return Err(CoreError::EmptyBatch);
     }
@@ -231,7 +231,7 @@ pub fn build(samples: &[SampleRef<'_>], opts: &BatchOptions<'_>) -> CoreResult<P
         })?;
         position_ids.extend(0..p_end);
     }
-    Ok(PackedLayout {
+    Ok(ThdLayout {
         input_ids,
         labels,
         loss_mask,

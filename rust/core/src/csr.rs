@@ -1,60 +1,128 @@
 //! Row offsets / segment indices: validate, slice (compacting physical segments in
 //! first-reference order), concat with provenance interning, repeat-interleave, shard, counts.
 //!
-//! A [`Packed`] is the row mapping of one `PackedTensor` without its tensors: either the legacy
-//! layout (row `r` is physical segment `r`) or a CSR layout (`offsets` over `indices`), plus an
-//! optional provenance id per physical segment. Operations return the new mapping and, where
+//! A [`PackedLayout`] is the row mapping of one `PackedTensor` without its tensors: either the
+//! legacy layout (row `r` is physical segment `r`) or a CSR layout (`offsets` over `indices`),
+//! plus an optional provenance id per physical segment. It is valid by construction: its fields
+//! are private and every constructor checks NeMo-RL's rules, so the operations below never
+//! re-check them (they `debug_assert!` instead). Operations return the new mapping and, where
 //! physical segments are selected or merged, which source segment lands at which output slot,
 //! so the caller can build the output tensor list without looking at the tensors here.
 use crate::error::{CoreError, CoreResult};
 use crate::intern::{mint, Interner, ProvId};
 
-/// CSR row mapping: row `r` references `indices[offsets[r]..offsets[r + 1]]`.
+/// CSR row mapping: row `r` references `indices[offsets[r]..offsets[r + 1]]`. Only a
+/// [`PackedLayout`] holds one, so it is always valid: `offsets` starts at 0, never decreases and
+/// ends at `indices.len()`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Csr {
-    pub offsets: Vec<i64>,
-    pub indices: Vec<i64>,
+    offsets: Vec<i64>,
+    indices: Vec<i64>,
 }
 
-/// The row mapping and provenance of one value.
+/// The row mapping and provenance of one value, valid by construction.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub struct Packed {
+pub struct PackedLayout {
     /// `None`: legacy layout, one row per physical segment.
-    pub csr: Option<Csr>,
+    csr: Option<Csr>,
     /// One id per physical segment, or `None` when deduplication is not enabled.
-    pub provenance: Option<Vec<ProvId>>,
+    provenance: Option<Vec<ProvId>>,
     /// Number of physical segments the mapping was built for.
-    pub n_physical: usize,
+    n_physical: usize,
 }
 
 /// A selection of rows: the new mapping and, for each output physical segment, its source.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Selection {
-    pub packed: Packed,
+    pub layout: PackedLayout,
     pub physical: Vec<usize>,
 }
 
-/// One input of [`concat`]: a mapping and the current number of physical segments.
+/// Which of NeMo-RL's three concatenations [`concat_values`] performs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ConcatMode {
+    /// `PackedTensor.concat`: the rows of every input, in order.
+    Concat,
+    /// `PackedTensor.merge_segments`: one row holding every reference (legacy inputs keep
+    /// their rows, like `concat`).
+    MergeSegments,
+    /// `PackedTensor.flattened_concat`: one row per input; inputs without a layout are each
+    /// materialized into one row by the caller.
+    FlattenedConcat,
+}
+
+impl ConcatMode {
+    pub const ALL: [Self; 3] = [Self::Concat, Self::MergeSegments, Self::FlattenedConcat];
+
+    /// The `PackedTensor` method name.
+    #[must_use]
+    pub const fn name(self) -> &'static str {
+        match self {
+            Self::Concat => "concat",
+            Self::MergeSegments => "merge_segments",
+            Self::FlattenedConcat => "flattened_concat",
+        }
+    }
+
+    /// The mode named like its `PackedTensor` method, if any.
+    #[must_use]
+    pub fn from_name(name: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|m| m.name() == name)
+    }
+}
+
+/// One input of [`concat_values`]: its layout (`None`: legacy without provenance) and its
+/// current number of physical segments (the length of its tensor list, which the layout's
+/// provenance and references must fit).
 #[derive(Debug, Clone, Copy)]
 pub struct ConcatInput<'a> {
-    pub csr: Option<&'a Csr>,
-    pub provenance: Option<&'a [ProvId]>,
+    pub layout: Option<&'a PackedLayout>,
     pub n_physical: usize,
 }
 
-/// The result of [`concat`]: the mapping and `(input, physical index)` per output segment.
+impl ConcatInput<'_> {
+    /// Rows as the layout counts them (without a layout: one per segment).
+    fn rows(&self) -> usize {
+        self.layout.map_or(self.n_physical, PackedLayout::rows)
+    }
+}
+
+/// A re-interned concatenation: the mapping and `(input, physical index)` per output segment.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Concat {
-    pub packed: Packed,
+    pub layout: PackedLayout,
     pub sources: Vec<(usize, usize)>,
+}
+
+/// What [`concat_values`] decided.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ConcatOutcome {
+    /// No input has a layout: the result is legacy, its segments the inputs' back to back.
+    Legacy,
+    /// `flattened_concat` of inputs without a layout: the caller materializes each input
+    /// into one row (the result is legacy).
+    MaterializeEach,
+    /// Physical segments re-interned by provenance (see [`concat`]).
+    Interned(Concat),
 }
 
 fn to_i64(n: usize, what: &'static str) -> CoreResult<i64> {
     i64::try_from(n).map_err(|_| CoreError::IndexOverflow { what })
 }
 
-fn to_usize(v: i64, what: &'static str) -> CoreResult<usize> {
-    usize::try_from(v).map_err(|_| CoreError::IndexOverflow { what })
+/// A count or index of something already held in memory, as `i64` (always fits).
+fn held_i64(n: usize) -> i64 {
+    debug_assert!(i64::try_from(n).is_ok(), "{n} does not fit in i64");
+    i64::try_from(n).unwrap_or(i64::MAX)
+}
+
+/// An offset or reference of a valid mapping, as `usize` (never negative).
+fn valid_usize(v: i64) -> usize {
+    debug_assert!(
+        v >= 0,
+        "negative offset or reference {v} in a valid mapping"
+    );
+    usize::try_from(v).unwrap_or(usize::MAX)
 }
 
 /// Check a CSR mapping with NeMo-RL's rules, in NeMo-RL's order.
@@ -100,14 +168,6 @@ fn check_indices(indices: &[i64], n_physical: usize) -> CoreResult<()> {
     Ok(())
 }
 
-/// Check that a provenance list has one entry per physical segment.
-///
-/// # Errors
-/// `ProvenanceLength`.
-pub fn validate_provenance(provenance: &[ProvId], n_physical: usize) -> CoreResult<()> {
-    validate_provenance_len(provenance.len(), n_physical)
-}
-
 /// Check that a provenance list of `len` entries fits `n_physical` segments.
 ///
 /// # Errors
@@ -123,7 +183,27 @@ pub fn validate_provenance_len(len: usize, n_physical: usize) -> CoreResult<()> 
     }
 }
 
-/// The output of `Packed::select` while it is built.
+/// NeMo-RL's compatibility rule of the three concatenations: there is at least one value and
+/// every value has the first one's `dim_to_pack`, then the first one's `pad_to_max_shape`.
+/// The caller compares its values (`same_dim`, `same_pad`); the rule and its order live here.
+///
+/// # Errors
+/// `ConcatIncompatible` naming the first field that differs.
+pub fn check_compatible(n_values: usize, same_dim: bool, same_pad: bool) -> CoreResult<()> {
+    if n_values == 0 || !same_dim {
+        return Err(CoreError::ConcatIncompatible {
+            field: "dim_to_pack",
+        });
+    }
+    if !same_pad {
+        return Err(CoreError::ConcatIncompatible {
+            field: "pad_to_max_shape setting",
+        });
+    }
+    Ok(())
+}
+
+/// The output of `PackedLayout::select` while it is built.
 struct SelectOut<'a> {
     /// The source's references (`None`: the legacy layout, row r is segment r).
     all_refs: Option<&'a [i64]>,
@@ -137,132 +217,109 @@ struct SelectOut<'a> {
 impl SelectOut<'_> {
     /// Copy the references of the last `starts.len()` rows (whose offsets are already
     /// pushed), renumbering physical segments in first-reference order.
-    fn copy_refs(&mut self, starts: &[usize]) -> CoreResult<()> {
-        let ovf = |what| CoreError::IndexOverflow { what };
-        let first = self
-            .offsets
-            .len()
-            .checked_sub(starts.len() + 1)
-            .ok_or(ovf("a row offset"))?;
-        let bounds = self.offsets.get(first..).ok_or(ovf("a row offset"))?;
-        let n_physical = self.remap.len();
+    fn copy_refs(&mut self, starts: &[usize]) {
+        debug_assert!(self.offsets.len() > starts.len());
+        let first = self.offsets.len().saturating_sub(starts.len() + 1);
+        let bounds = self.offsets.get(first..).unwrap_or_default();
         let mut legacy = [0i64];
         for (&start, w) in starts.iter().zip(bounds.windows(2)) {
             let refs: &[i64] = match self.all_refs {
                 Some(all) => {
-                    let len = to_usize(w[1] - w[0], "a row offset")?;
-                    all.get(start..start.saturating_add(len))
-                        .ok_or(ovf("a row's segment references"))?
+                    let len = valid_usize(w[1] - w[0]);
+                    let refs = all.get(start..start.saturating_add(len));
+                    debug_assert!(refs.is_some(), "row span outside the references");
+                    refs.unwrap_or_default()
                 }
                 None => {
-                    legacy[0] = to_i64(start, "a row index")?;
+                    legacy[0] = held_i64(start);
                     &legacy
                 }
             };
             for &src in refs {
-                let slot = usize::try_from(src)
-                    .ok()
-                    .and_then(|s| self.remap.get_mut(s))
-                    .ok_or(CoreError::SegmentIndexOutOfRange {
-                        at: 0,
-                        value: src,
-                        n_physical,
-                    })?;
+                let s = valid_usize(src);
+                let Some(slot) = self.remap.get_mut(s) else {
+                    debug_assert!(false, "reference {src} outside the physical segments");
+                    continue;
+                };
                 if *slot == usize::MAX {
                     *slot = self.physical.len();
-                    self.physical.push(to_usize(src, "a physical index")?);
+                    self.physical.push(s);
                 }
-                self.indices.push(to_i64(*slot, "a physical index")?);
+                self.indices.push(held_i64(*slot));
             }
         }
-        Ok(())
     }
 }
 
 impl Csr {
-    /// Number of rows (`offsets.len() - 1`; 0 for an empty, invalid offsets list).
+    /// Number of rows.
     #[must_use]
     pub fn rows(&self) -> usize {
         self.offsets.len().saturating_sub(1)
     }
 
-    /// The references of row `r`.
-    ///
-    /// # Errors
-    /// `IndexOverflow` if the mapping is inconsistent (never for a validated one).
-    pub fn row(&self, r: usize) -> CoreResult<&[i64]> {
+    /// Row offsets (`rows() + 1` entries, starting at 0, ending at `indices().len()`).
+    #[must_use]
+    pub fn offsets(&self) -> &[i64] {
+        &self.offsets
+    }
+
+    /// Segment references, row after row.
+    #[must_use]
+    pub fn indices(&self) -> &[i64] {
+        &self.indices
+    }
+
+    /// Row `r`'s references as `(start, len)` into `indices`, `None` past the last row.
+    #[must_use]
+    pub fn span(&self, r: usize) -> Option<(usize, usize)> {
+        let a = valid_usize(*self.offsets.get(r)?);
+        let b = valid_usize(*self.offsets.get(r.checked_add(1)?)?);
+        debug_assert!(a <= b, "decreasing offsets in a valid mapping");
+        Some((a, b.saturating_sub(a)))
+    }
+
+    /// The references of row `r`, `None` past the last row.
+    #[must_use]
+    pub fn row(&self, r: usize) -> Option<&[i64]> {
         let (start, len) = self.span(r)?;
-        self.indices
-            .get(start..start.saturating_add(len))
-            .ok_or(CoreError::IndexOverflow {
-                what: "a row's segment references",
-            })
-    }
-
-    /// Row `r`'s references as `(start, len)` into `indices` (not checked against them).
-    ///
-    /// # Errors
-    /// `IndexOverflow` if `r` is not a row or its offsets are not a valid range.
-    pub fn span(&self, r: usize) -> CoreResult<(usize, usize)> {
-        let bad = CoreError::IndexOverflow {
-            what: "a row's segment references",
-        };
-        let (Some(&a), Some(&b)) = (self.offsets.get(r), self.offsets.get(r.wrapping_add(1)))
-        else {
-            return Err(bad);
-        };
-        let (a, b) = (to_usize(a, "a row offset")?, to_usize(b, "a row offset")?);
-        Ok((a, b.checked_sub(a).ok_or(bad)?))
-    }
-
-    /// The identity mapping of the legacy layout: row `r` is segment `r`.
-    ///
-    /// # Errors
-    /// `IndexOverflow` if `n` does not fit in `i64`.
-    pub fn identity(n: usize) -> CoreResult<Self> {
-        let n64 = to_i64(n, "the number of rows")?;
-        Ok(Self {
-            offsets: (0..=n64).collect(),
-            indices: (0..n64).collect(),
-        })
+        self.indices.get(start..start.saturating_add(len))
     }
 }
 
-impl Packed {
-    /// Build a mapping, validating it with NeMo-RL's constructor rules and order.
+impl PackedLayout {
+    /// The legacy layout over `n_physical` segments, without provenance.
+    #[must_use]
+    pub const fn legacy(n_physical: usize) -> Self {
+        Self {
+            csr: None,
+            provenance: None,
+            n_physical,
+        }
+    }
+
+    /// A CSR layout, validated with NeMo-RL's constructor rules and order.
     ///
     /// # Errors
-    /// The layout errors of [`validate`] and `ProvenanceLength`.
-    pub fn new(
-        csr: Option<Csr>,
-        provenance: Option<Vec<ProvId>>,
-        n_physical: usize,
-    ) -> CoreResult<Self> {
-        if let Some(c) = &csr {
-            validate(&c.offsets, &c.indices, n_physical)?;
-        }
-        if let Some(p) = &provenance {
-            validate_provenance(p, n_physical)?;
-        }
+    /// The layout errors of [`validate`].
+    pub fn from_csr(offsets: Vec<i64>, indices: Vec<i64>, n_physical: usize) -> CoreResult<Self> {
+        validate(&offsets, &indices, n_physical)?;
         Ok(Self {
-            csr,
-            provenance,
+            csr: Some(Csr { offsets, indices }),
+            provenance: None,
             n_physical,
         })
     }
 
-    /// Number of logical rows.
-    #[must_use]
-    pub fn rows(&self) -> usize {
-        self.csr.as_ref().map_or(self.n_physical, Csr::rows)
-    }
-
-    /// Number of logical segment references.
-    #[must_use]
-    pub fn refs(&self) -> usize {
-        self.csr
-            .as_ref()
-            .map_or(self.n_physical, |c| c.indices.len())
+    /// The same mapping with `provenance` (one id per physical segment) or none.
+    ///
+    /// # Errors
+    /// `ProvenanceLength`.
+    pub fn with_provenance(self, provenance: Option<Vec<ProvId>>) -> CoreResult<Self> {
+        if let Some(p) = &provenance {
+            validate_provenance_len(p.len(), self.n_physical)?;
+        }
+        Ok(Self { provenance, ..self })
     }
 
     /// The legacy layout with freshly minted provenance (`enable_deduplication`).
@@ -294,6 +351,45 @@ impl Packed {
         })
     }
 
+    /// The CSR mapping, `None` for the legacy layout.
+    #[must_use]
+    pub const fn csr(&self) -> Option<&Csr> {
+        self.csr.as_ref()
+    }
+
+    /// Whether the layout is CSR (not legacy).
+    #[must_use]
+    pub const fn is_csr(&self) -> bool {
+        self.csr.is_some()
+    }
+
+    /// One provenance id per physical segment, `None` when deduplication is not enabled.
+    #[must_use]
+    pub fn provenance(&self) -> Option<&[ProvId]> {
+        self.provenance.as_deref()
+    }
+
+    /// Number of physical segments.
+    #[must_use]
+    pub const fn n_physical(&self) -> usize {
+        self.n_physical
+    }
+
+    /// Number of logical rows.
+    #[must_use]
+    pub fn rows(&self) -> usize {
+        self.csr.as_ref().map_or(self.n_physical, Csr::rows)
+    }
+
+    /// Number of logical segment references.
+    #[must_use]
+    pub fn refs(&self) -> usize {
+        self.csr
+            .as_ref()
+            .map_or(self.n_physical, |c| c.indices.len())
+    }
+
+    /// Rows `rows` (each below `self.rows()`, `hint` of them), compacted.
     fn select<I: IntoIterator<Item = usize>>(&self, rows: I, hint: usize) -> CoreResult<Selection> {
         let n_physical = self.n_physical;
         let ovf = |what| CoreError::IndexOverflow { what };
@@ -317,43 +413,36 @@ impl Packed {
         let mut starts: Vec<usize> = Vec::with_capacity(CHUNK);
         let mut total = 0usize;
         for r in rows {
-            let (start, len) = match &self.csr {
-                Some(c) => c.span(r)?,
-                None if r < n_physical => (r, 1),
-                None => return Err(ovf("a row index")),
+            let span = match &self.csr {
+                Some(c) => c.span(r),
+                None => (r < n_physical).then_some((r, 1)),
             };
+            debug_assert!(span.is_some(), "row {r} out of range");
+            let (start, len) = span.unwrap_or((0, 0));
+            // A row may be selected any number of times: the total is input-derived.
             total = total.checked_add(len).ok_or(ovf("a row offset"))?;
             out.offsets.push(to_i64(total, "a row offset")?);
             starts.push(start);
             if starts.len() == CHUNK {
-                out.copy_refs(&starts)?;
+                out.copy_refs(&starts);
                 starts.clear();
             }
         }
-        out.copy_refs(&starts)?;
+        out.copy_refs(&starts);
         let SelectOut {
             physical,
             offsets,
             indices,
             ..
         } = out;
-        let provenance = match &self.provenance {
-            Some(p) => Some(
-                physical
-                    .iter()
-                    .map(|&s| {
-                        p.get(s).copied().ok_or(CoreError::ProvenanceLength {
-                            expected: n_physical,
-                            actual: p.len(),
-                        })
-                    })
-                    .collect::<CoreResult<Vec<_>>>()?,
-            ),
-            None => None,
-        };
+        let provenance = self.provenance.as_ref().map(|p| {
+            let picked: Vec<ProvId> = physical.iter().filter_map(|&s| p.get(s).copied()).collect();
+            debug_assert_eq!(picked.len(), physical.len());
+            picked
+        });
         let n_out = physical.len();
         Ok(Selection {
-            packed: Packed {
+            layout: Self {
                 csr: Some(Csr { offsets, indices }),
                 provenance,
                 n_physical: n_out,
@@ -385,7 +474,7 @@ impl Packed {
         self.select(normalized, rows.len())
     }
 
-    /// Rows `start..end`, compacted like [`Packed::slice`].
+    /// Rows `start..end`, compacted like [`PackedLayout::slice`].
     ///
     /// # Errors
     /// `RowOutOfRange` if the range leaves the value.
@@ -419,9 +508,8 @@ impl Packed {
                 what: "the shard list (out of memory)",
             })?;
         for s in 0..shards {
-            let start = s
-                .checked_mul(per)
-                .ok_or(CoreError::IndexOverflow { what: "a shard" })?;
+            // s * per + per <= rows: cannot overflow
+            let start = s * per;
             out.push(self.slice_range(start, start + per)?);
         }
         Ok(out)
@@ -447,10 +535,7 @@ impl Packed {
         to_i64(out_refs, "the repeated reference count")?;
         let minted;
         let provenance: &[ProvId] = match &self.provenance {
-            Some(p) => {
-                validate_provenance(p, n_physical)?;
-                p
-            }
+            Some(p) => p,
             None => {
                 minted = mint(n_physical)?;
                 &minted
@@ -471,41 +556,34 @@ impl Packed {
             for r in 0..rows {
                 let single;
                 let refs: &[i64] = match &self.csr {
-                    Some(c) => c.row(r)?,
+                    Some(c) => c.row(r).unwrap_or_default(),
                     None => {
-                        single = [to_i64(r, "a row index")?];
+                        single = [held_i64(r)];
                         &single
                     }
                 };
                 row_out.clear();
                 for &src in refs {
-                    let s = usize::try_from(src)
-                        .ok()
-                        .filter(|&s| s < n_physical)
-                        .ok_or(CoreError::SegmentIndexOutOfRange {
-                            at: 0,
-                            value: src,
-                            n_physical,
-                        })?;
-                    let id = provenance
-                        .get(s)
-                        .copied()
-                        .ok_or(ovf("a provenance entry"))?;
+                    let s = valid_usize(src);
+                    let Some(&id) = provenance.get(s) else {
+                        debug_assert!(false, "reference {src} outside the provenance");
+                        continue;
+                    };
                     let (out, new) = table.intern(id);
                     if new {
                         physical.push(s);
                     }
-                    row_out.push(to_i64(out, "a physical index")?);
+                    row_out.push(held_i64(out));
                 }
                 for _ in 0..k {
                     indices.extend_from_slice(&row_out);
-                    offsets.push(to_i64(indices.len(), "a row offset")?);
+                    offsets.push(held_i64(indices.len()));
                 }
             }
         }
         let n_out = table.len();
         Ok(Selection {
-            packed: Self {
+            layout: Self {
                 csr: Some(Csr { offsets, indices }),
                 provenance: Some(table.into_ids()),
                 n_physical: n_out,
@@ -514,40 +592,39 @@ impl Packed {
         })
     }
 
-    /// Per row, how many referenced physical segments are not `None`.
+    /// Per row, how many referenced physical segments are not `None` (`is_none` has one entry
+    /// per entry of the value's tensor list, which may differ from `n_physical`).
     ///
     /// # Errors
-    /// `SegmentIndexOutOfRange` if a reference is outside `is_none`.
+    /// `SegmentIndexOutOfRange` (with the reference's position) if a reference is outside
+    /// `is_none`.
     pub fn logical_counts(&self, is_none: &[bool]) -> CoreResult<Vec<i64>> {
-        let n_physical = is_none.len();
-        let present = |src: i64| -> CoreResult<i64> {
-            usize::try_from(src)
-                .ok()
-                .and_then(|s| is_none.get(s))
-                .map(|&none| i64::from(!none))
-                .ok_or(CoreError::SegmentIndexOutOfRange {
-                    at: 0,
-                    value: src,
-                    n_physical,
-                })
+        let Some(c) = &self.csr else {
+            return Ok(is_none.iter().map(|&none| i64::from(!none)).collect());
         };
-        match &self.csr {
-            None => Ok(is_none.iter().map(|&none| i64::from(!none)).collect()),
-            Some(c) => {
-                let mut out = Vec::with_capacity(c.rows());
-                for r in 0..c.rows() {
-                    let mut count = 0i64;
-                    for &src in c.row(r)? {
-                        count += present(src)?;
-                    }
-                    out.push(count);
-                }
-                Ok(out)
+        let mut out = Vec::with_capacity(c.rows());
+        let mut at = 0usize;
+        for r in 0..c.rows() {
+            let mut count = 0i64;
+            for &src in c.row(r).unwrap_or_default() {
+                let none = usize::try_from(src).ok().and_then(|s| is_none.get(s));
+                let Some(&none) = none else {
+                    return Err(CoreError::SegmentIndexOutOfRange {
+                        at,
+                        value: src,
+                        n_physical: is_none.len(),
+                    });
+                };
+                count += i64::from(!none);
+                at += 1;
             }
+            out.push(count);
         }
+        Ok(out)
     }
 
-    /// How many logical references each physical segment has (`n_physical` entries).
+    /// How many logical references each of `n_physical` segments has (the length of the
+    /// value's tensor list, which may differ from the layout's).
     ///
     /// # Errors
     /// `SegmentIndexOutOfRange` if a reference is outside `n_physical`.
@@ -590,44 +667,6 @@ impl Packed {
     }
 }
 
-/// Bytes and number of the present logical segments of a value: physical segment `indices[j]`
-/// for each logical `j`, or every physical segment once, in order, for the legacy layout
-/// (`indices` is `None`). `sizes[s]` is the byte size of physical segment `s`, `None` when the
-/// segment is absent (a `None` entry), which counts neither bytes nor a segment.
-///
-/// # Errors
-/// `SegmentIndexOutOfRange` if a reference is outside `sizes`, `IndexOverflow`.
-pub fn logical_totals(sizes: &[Option<u64>], indices: Option<&[i64]>) -> CoreResult<(u64, usize)> {
-    let (mut bytes, mut count) = (0u64, 0usize);
-    let mut add = |size: &Option<u64>| -> CoreResult<()> {
-        if let Some(b) = *size {
-            bytes = bytes.checked_add(b).ok_or(CoreError::IndexOverflow {
-                what: "the logical byte count",
-            })?;
-            count += 1; // at most one per reference: cannot overflow
-        }
-        Ok(())
-    };
-    match indices {
-        None => sizes.iter().try_for_each(&mut add)?,
-        Some(indices) => {
-            for (at, &src) in indices.iter().enumerate() {
-                match usize::try_from(src).ok().and_then(|s| sizes.get(s)) {
-                    Some(size) => add(size)?,
-                    None => {
-                        return Err(CoreError::SegmentIndexOutOfRange {
-                            at,
-                            value: src,
-                            n_physical: sizes.len(),
-                        })
-                    }
-                }
-            }
-        }
-    }
-    Ok((bytes, count))
-}
-
 /// Concatenate rows of several values, re-interning physical segments by provenance: the
 /// first occurrence of an id keeps its segment, inputs without provenance get fresh ids (so
 /// they never merge), unreferenced segments are carried along. The result is CSR with
@@ -646,25 +685,31 @@ pub fn concat(inputs: &[ConcatInput<'_>]) -> CoreResult<Concat> {
         total_phys = total_phys
             .checked_add(input.n_physical)
             .ok_or(ovf("the physical count"))?;
-        let (rows, refs) = match input.csr {
-            Some(c) => (c.rows(), c.indices.len()),
-            None => (input.n_physical, input.n_physical),
+        let refs = match input.layout.and_then(PackedLayout::csr) {
+            Some(c) => c.indices.len(),
+            None => input.n_physical,
+        };
+        let rows = match input.layout.and_then(PackedLayout::csr) {
+            Some(c) => c.rows(),
+            None => input.n_physical,
         };
         total_rows = total_rows.checked_add(rows).ok_or(ovf("the row count"))?;
         total_refs = total_refs
             .checked_add(refs)
             .ok_or(ovf("the reference count"))?;
-        match input.provenance {
-            Some(p) => validate_provenance(p, input.n_physical)?,
+        // The tensor list may have changed length since the layout was built.
+        match input.layout.and_then(PackedLayout::provenance) {
+            Some(p) => validate_provenance_len(p.len(), input.n_physical)?,
             None => {
                 to_mint = to_mint
                     .checked_add(input.n_physical)
-                    .ok_or(ovf("minting"))?
+                    .ok_or(ovf("minting"))?;
             }
         }
     }
     to_i64(total_refs, "the reference count")?;
-    let mut fresh = mint(to_mint)?.into_iter();
+    let minted = mint(to_mint)?;
+    let mut fresh = minted.iter().copied();
     let mut table = Interner::with_capacity(total_phys);
     let mut sources: Vec<(usize, usize)> = Vec::with_capacity(total_phys);
     let mut offsets: Vec<i64> = Vec::with_capacity(total_rows.saturating_add(1));
@@ -673,59 +718,54 @@ pub fn concat(inputs: &[ConcatInput<'_>]) -> CoreResult<Concat> {
     let mut remap: Vec<i64> = Vec::new();
     for (k, input) in inputs.iter().enumerate() {
         remap.clear();
-        for j in 0..input.n_physical {
-            let out = match input.provenance {
-                Some(p) => {
-                    let id = p.get(j).copied().ok_or(ovf("a provenance entry"))?;
+        match input.layout.and_then(PackedLayout::provenance) {
+            Some(p) => {
+                for (j, &id) in p.iter().enumerate() {
                     let (out, new) = table.intern(id);
                     if new {
                         sources.push((k, j));
                     }
-                    out
+                    remap.push(held_i64(out));
                 }
-                None => {
-                    let id = fresh.next().ok_or(ovf("minting"))?;
+            }
+            None => {
+                for j in 0..input.n_physical {
+                    let id = fresh.next();
+                    debug_assert!(id.is_some(), "one minted id per segment without provenance");
                     sources.push((k, j));
-                    table.push_fresh(id)
+                    remap.push(held_i64(table.push_fresh(id.unwrap_or_default())));
                 }
-            };
-            remap.push(to_i64(out, "a physical index")?);
+            }
         }
-        let n_physical = input.n_physical;
-        let map = |at: usize, src: i64| -> CoreResult<i64> {
-            usize::try_from(src)
-                .ok()
-                .and_then(|s| remap.get(s).copied())
-                .ok_or(CoreError::SegmentIndexOutOfRange {
-                    at,
-                    value: src,
-                    n_physical,
-                })
-        };
-        match input.csr {
+        match input.layout.and_then(PackedLayout::csr) {
             Some(c) => {
-                let base = indices.len();
+                let base = held_i64(indices.len());
                 for (at, &src) in c.indices.iter().enumerate() {
-                    indices.push(map(at, src)?);
+                    let dst = usize::try_from(src).ok().and_then(|s| remap.get(s));
+                    let Some(&dst) = dst else {
+                        return Err(CoreError::SegmentIndexOutOfRange {
+                            at,
+                            value: src,
+                            n_physical: input.n_physical,
+                        });
+                    };
+                    indices.push(dst);
                 }
-                let base = to_i64(base, "a row offset")?;
-                for &o in c.offsets.iter().skip(1) {
-                    offsets.push(o.checked_add(base).ok_or(ovf("a row offset"))?);
-                }
+                // within the reference total, which fits in i64
+                offsets.extend(c.offsets.iter().skip(1).map(|&o| o.saturating_add(base)));
             }
             None => {
                 for &dst in &remap {
                     indices.push(dst);
-                    offsets.push(to_i64(indices.len(), "a row offset")?);
+                    offsets.push(held_i64(indices.len()));
                 }
             }
         }
     }
     let n_physical = table.len();
-    let csr = Csr { offsets, indices };
     Ok(Concat {
-        packed: Packed {
-            csr: Some(csr),
+        layout: PackedLayout {
+            csr: Some(Csr { offsets, indices }),
             provenance: Some(table.into_ids()),
             n_physical,
         },
@@ -739,11 +779,39 @@ pub fn concat(inputs: &[ConcatInput<'_>]) -> CoreResult<Concat> {
 /// As [`concat`].
 pub fn merge(inputs: &[ConcatInput<'_>]) -> CoreResult<Concat> {
     let mut out = concat(inputs)?;
-    if let Some(c) = out.packed.csr.as_mut() {
-        let total = to_i64(c.indices.len(), "the reference count")?;
-        c.offsets = vec![0, total];
+    if let Some(c) = out.layout.csr.as_mut() {
+        c.offsets = vec![0, held_i64(c.indices.len())];
     }
     Ok(out)
+}
+
+/// NeMo-RL's `concat` / `merge_segments` / `flattened_concat` rules over `inputs` (already
+/// checked with [`check_compatible`]): without any layout the result is legacy (or, for
+/// `flattened_concat`, one materialized row per input); otherwise physical segments are
+/// re-interned by provenance, `flattened_concat` requiring one row per input.
+///
+/// # Errors
+/// `FlattenedRows` for a `flattened_concat` input with other than one row, and those of
+/// [`concat`].
+pub fn concat_values(mode: ConcatMode, inputs: &[ConcatInput<'_>]) -> CoreResult<ConcatOutcome> {
+    if inputs.iter().all(|i| i.layout.is_none()) {
+        return Ok(match mode {
+            ConcatMode::FlattenedConcat => ConcatOutcome::MaterializeEach,
+            ConcatMode::Concat | ConcatMode::MergeSegments => ConcatOutcome::Legacy,
+        });
+    }
+    let interned = match mode {
+        ConcatMode::Concat => concat(inputs)?,
+        ConcatMode::MergeSegments => merge(inputs)?,
+        ConcatMode::FlattenedConcat => {
+            if let Some(at) = inputs.iter().position(|i| i.rows() != 1) {
+                let rows = inputs.get(at).map_or(0, ConcatInput::rows);
+                return Err(CoreError::FlattenedRows { at, rows });
+            }
+            concat(inputs)?
+        }
+    };
+    Ok(ConcatOutcome::Interned(interned))
 }
 
 #[cfg(test)]
@@ -755,6 +823,16 @@ mod tests {
             offsets: offsets.to_vec(),
             indices: indices.to_vec(),
         })
+    }
+
+    fn layout(offsets: &[i64], indices: &[i64], n: usize) -> PackedLayout {
+        PackedLayout::from_csr(offsets.to_vec(), indices.to_vec(), n)
+            .unwrap_or_else(|e| unreachable!("{e}"))
+    }
+
+    fn with_prov(l: PackedLayout, ids: &[ProvId]) -> PackedLayout {
+        l.with_provenance(Some(ids.to_vec()))
+            .unwrap_or_else(|e| unreachable!("{e}"))
     }
 
     /// `select` works in chunks of rows: a selection spanning several chunks (and rows without
@@ -775,25 +853,21 @@ mod tests {
             .map(|i| (i * 7919 + 13) % 6000 - 3000)
             .collect();
         for legacy in [false, true] {
-            let p = Packed {
-                csr: if legacy {
-                    None
-                } else {
-                    csr(&offsets, &indices)
-                },
-                provenance: None,
-                n_physical: if legacy { n_rows } else { n_physical },
+            let p = if legacy {
+                PackedLayout::legacy(n_rows)
+            } else {
+                layout(&offsets, &indices, n_physical)
             };
             let sel = p.slice(&picks).unwrap_or_else(|_| unreachable!());
-            let mut remap = vec![usize::MAX; p.n_physical];
+            let mut remap = vec![usize::MAX; p.n_physical()];
             let mut physical = Vec::new();
             let mut want_offsets = vec![0i64];
             let mut want_indices = Vec::new();
             for &pick in &picks {
                 let r = usize::try_from(if pick < 0 { pick + 3000 } else { pick })
                     .unwrap_or_else(|_| unreachable!());
-                let refs: Vec<i64> = match &p.csr {
-                    Some(c) => c.row(r).unwrap_or_else(|_| unreachable!()).to_vec(),
+                let refs: Vec<i64> = match p.csr() {
+                    Some(c) => c.row(r).unwrap_or_else(|| unreachable!()).to_vec(),
                     None => vec![r as i64],
                 };
                 for src in refs {
@@ -807,9 +881,9 @@ mod tests {
                 want_offsets.push(want_indices.len() as i64);
             }
             assert_eq!(sel.physical, physical);
-            let got = sel.packed.csr.unwrap_or_else(|| unreachable!());
-            assert_eq!(got.offsets, want_offsets);
-            assert_eq!(got.indices, want_indices);
+            let got = sel.layout.csr().unwrap_or_else(|| unreachable!());
+            assert_eq!(got.offsets(), want_offsets);
+            assert_eq!(got.indices(), want_indices);
         }
     }
 
@@ -819,7 +893,7 @@ mod tests {
         assert_eq!(validate(&[1], &[], 0), Err(CoreError::OffsetsStart));
         assert!(matches!(
             validate(&[0, 2, 1], &[0], 1),
-            Err(CoreError::OffsetsDecreasing { .. })
+            Err(CoreError::OffsetsDecreasing { at: 2, .. })
         ));
         assert!(matches!(
             validate(&[0, 2], &[0], 1),
@@ -837,69 +911,168 @@ mod tests {
     }
 
     #[test]
+    fn constructors_refuse_invalid_layouts() {
+        assert_eq!(
+            PackedLayout::from_csr(vec![0, 2], vec![0, 3], 2),
+            Err(CoreError::SegmentIndexOutOfRange {
+                at: 1,
+                value: 3,
+                n_physical: 2
+            })
+        );
+        assert_eq!(
+            PackedLayout::legacy(2).with_provenance(Some(vec![1])),
+            Err(CoreError::ProvenanceLength {
+                expected: 2,
+                actual: 1
+            })
+        );
+        let l = with_prov(layout(&[0, 1], &[1], 2), &[4, 5]);
+        assert_eq!(l.provenance(), Some(&[4, 5][..]));
+        assert_eq!(
+            (l.rows(), l.refs(), l.n_physical(), l.is_csr()),
+            (1, 1, 2, true)
+        );
+        assert_eq!(
+            l.clone()
+                .with_provenance(None)
+                .map(|l| l.provenance().is_none()),
+            Ok(true)
+        );
+        let r = l.reminted().unwrap_or_else(|_| unreachable!());
+        assert_eq!(r.csr(), l.csr());
+        assert_ne!(r.provenance(), l.provenance());
+    }
+
+    #[test]
     fn slice_compacts_in_first_reference_order() {
         // LD value [a, b] sliced [1, 1, 0] -> tensors [b, a], indices [0, 0, 1].
-        let p = Packed {
-            csr: None,
-            provenance: Some(vec![10, 11]),
-            n_physical: 2,
-        };
+        let p = with_prov(PackedLayout::legacy(2), &[10, 11]);
         let s = p.slice(&[1, 1, 0]).unwrap_or_else(|_| unreachable!());
         assert_eq!(s.physical, vec![1, 0]);
-        assert_eq!(s.packed.csr, csr(&[0, 1, 2, 3], &[0, 0, 1]));
-        assert_eq!(s.packed.provenance, Some(vec![11, 10]));
+        assert_eq!(s.layout.csr(), csr(&[0, 1, 2, 3], &[0, 0, 1]).as_ref());
+        assert_eq!(s.layout.provenance(), Some(&[11, 10][..]));
         assert_eq!(p.slice(&[-5]), Err(CoreError::RowOutOfRange { row: -3 }));
         assert_eq!(p.slice(&[2]), Err(CoreError::RowOutOfRange { row: 2 }));
     }
 
+    fn input(l: &PackedLayout) -> ConcatInput<'_> {
+        ConcatInput {
+            layout: Some(l),
+            n_physical: l.n_physical(),
+        }
+    }
+
     #[test]
     fn concat_reinterns_first_wins() {
-        let a = Packed {
-            csr: None,
-            provenance: Some(vec![1, 2]),
-            n_physical: 2,
-        };
-        let b_csr = Csr {
-            offsets: vec![0, 2],
-            indices: vec![1, 0],
-        };
+        let a = with_prov(PackedLayout::legacy(2), &[1, 2]);
+        let b = with_prov(layout(&[0, 2], &[1, 0], 2), &[2, 3]);
         let inputs = [
+            input(&a),
+            input(&b),
             ConcatInput {
-                csr: None,
-                provenance: a.provenance.as_deref(),
-                n_physical: 2,
-            },
-            ConcatInput {
-                csr: Some(&b_csr),
-                provenance: Some(&[2, 3]),
-                n_physical: 2,
-            },
-            ConcatInput {
-                csr: None,
-                provenance: None,
+                layout: None,
                 n_physical: 1,
             },
         ];
         let c = concat(&inputs).unwrap_or_else(|_| unreachable!());
         assert_eq!(c.sources, vec![(0, 0), (0, 1), (1, 1), (2, 0)]);
-        assert_eq!(c.packed.csr, csr(&[0, 1, 2, 4, 5], &[0, 1, 2, 1, 3]));
-        assert_eq!(c.packed.n_physical, 4);
+        assert_eq!(
+            c.layout.csr(),
+            csr(&[0, 1, 2, 4, 5], &[0, 1, 2, 1, 3]).as_ref()
+        );
+        assert_eq!(c.layout.n_physical(), 4);
         let m = merge(&inputs).unwrap_or_else(|_| unreachable!());
-        assert_eq!(m.packed.csr, csr(&[0, 5], &[0, 1, 2, 1, 3]));
+        assert_eq!(m.layout.csr(), csr(&[0, 5], &[0, 1, 2, 1, 3]).as_ref());
+    }
+
+    #[test]
+    fn concat_checks_inputs_against_their_tensor_lists() {
+        // The tensor list lost a segment since the layout was built.
+        let a = layout(&[0, 2], &[0, 1], 2);
+        let short = ConcatInput {
+            layout: Some(&a),
+            n_physical: 1,
+        };
+        assert_eq!(
+            concat(&[short]),
+            Err(CoreError::SegmentIndexOutOfRange {
+                at: 1,
+                value: 1,
+                n_physical: 1
+            })
+        );
+        let b = with_prov(PackedLayout::legacy(2), &[1, 2]);
+        let long = ConcatInput {
+            layout: Some(&b),
+            n_physical: 3,
+        };
+        assert_eq!(
+            concat(&[long]),
+            Err(CoreError::ProvenanceLength {
+                expected: 3,
+                actual: 2
+            })
+        );
+    }
+
+    #[test]
+    fn concat_modes_follow_nemo_rl() {
+        for mode in ConcatMode::ALL {
+            assert_eq!(ConcatMode::from_name(mode.name()), Some(mode));
+        }
+        assert_eq!(ConcatMode::from_name("stack"), None);
+        assert_eq!(check_compatible(2, true, true), Ok(()));
+        let dim = Err(CoreError::ConcatIncompatible {
+            field: "dim_to_pack",
+        });
+        assert_eq!(check_compatible(0, true, true), dim);
+        assert_eq!(check_compatible(2, false, false), dim);
+        assert!(check_compatible(2, true, false)
+            .is_err_and(|e| e.to_string()
+                == "All packed tensors must have the same pad_to_max_shape setting"));
+
+        let legacy = [
+            ConcatInput {
+                layout: None,
+                n_physical: 2,
+            },
+            ConcatInput {
+                layout: None,
+                n_physical: 1,
+            },
+        ];
+        use ConcatMode::{Concat as C, FlattenedConcat as F, MergeSegments as M};
+        assert_eq!(concat_values(C, &legacy), Ok(ConcatOutcome::Legacy));
+        assert_eq!(concat_values(M, &legacy), Ok(ConcatOutcome::Legacy));
+        assert_eq!(
+            concat_values(F, &legacy),
+            Ok(ConcatOutcome::MaterializeEach)
+        );
+
+        let d = PackedLayout::legacy_dedup(1).unwrap_or_else(|_| unreachable!());
+        let mixed = [input(&d), legacy[0]];
+        assert_eq!(
+            concat_values(F, &mixed),
+            Err(CoreError::FlattenedRows { at: 1, rows: 2 })
+        );
+        let rows = |o: CoreResult<ConcatOutcome>| match o {
+            Ok(ConcatOutcome::Interned(c)) => (c.layout.rows(), c.layout.refs()),
+            other => unreachable!("{other:?}"),
+        };
+        assert_eq!(rows(concat_values(C, &mixed)), (3, 3));
+        assert_eq!(rows(concat_values(M, &mixed)), (1, 3));
+        assert_eq!(rows(concat_values(F, &[input(&d), legacy[1]])), (2, 2));
     }
 
     #[test]
     fn shard_and_repeat() {
-        let p = Packed {
-            csr: csr(&[0, 1, 3], &[0, 1, 0]),
-            provenance: None,
-            n_physical: 2,
-        };
+        let p = layout(&[0, 1, 3], &[0, 1, 0], 2);
         let r = p.repeat_interleave(2).unwrap_or_else(|_| unreachable!());
         assert_eq!(r.physical, vec![0, 1]);
-        let r = r.packed;
-        assert_eq!(r.csr, csr(&[0, 1, 2, 4, 6], &[0, 0, 1, 0, 1, 0]));
-        assert_eq!(r.provenance.as_ref().map(Vec::len), Some(2));
+        let r = r.layout;
+        assert_eq!(r.csr(), csr(&[0, 1, 2, 4, 6], &[0, 0, 1, 0, 1, 0]).as_ref());
+        assert_eq!(r.provenance().map(<[ProvId]>::len), Some(2));
         let shards = r.shard(2).unwrap_or_else(|_| unreachable!());
         assert_eq!(shards[0].physical, vec![0]);
         assert_eq!(shards[1].physical, vec![1, 0]);
@@ -913,39 +1086,36 @@ mod tests {
             Err(CoreError::Repeats { repeats: -1 })
         );
         // Duplicate provenance merges, unreferenced segments are dropped.
-        let d = Packed {
-            csr: csr(&[0, 2], &[2, 0]),
-            provenance: Some(vec![5, 6, 5]),
-            n_physical: 3,
-        };
+        let d = with_prov(layout(&[0, 2], &[2, 0], 3), &[5, 6, 5]);
         let r = d.repeat_interleave(1).unwrap_or_else(|_| unreachable!());
         assert_eq!(r.physical, vec![2]);
-        assert_eq!(r.packed.csr, csr(&[0, 2], &[0, 0]));
+        assert_eq!(r.layout.csr(), csr(&[0, 2], &[0, 0]).as_ref());
         assert_eq!(p.logical_counts(&[false, true]), Ok(vec![1, 1]));
         assert_eq!(p.logical_nbytes(&[4, 8]), Ok(16));
     }
 
     #[test]
-    fn logical_totals_skip_absent_and_repeat_references() {
-        let sizes = [Some(4), None, Some(0), Some(8)];
-        assert_eq!(logical_totals(&sizes, None), Ok((12, 3)));
-        assert_eq!(logical_totals(&sizes, Some(&[3, 3, 1, 2, 0])), Ok((20, 4)));
-        assert_eq!(logical_totals(&sizes, Some(&[])), Ok((0, 0)));
-        assert!(matches!(
-            logical_totals(&sizes, Some(&[0, 4])),
+    fn counts_name_the_reference_outside_the_tensor_list() {
+        let p = layout(&[0, 1, 3], &[0, 1, 0], 2);
+        assert_eq!(
+            p.logical_counts(&[false]),
             Err(CoreError::SegmentIndexOutOfRange {
                 at: 1,
-                value: 4,
-                ..
+                value: 1,
+                n_physical: 1
             })
-        ));
-        assert!(matches!(
-            logical_totals(&sizes, Some(&[-1])),
-            Err(CoreError::SegmentIndexOutOfRange { at: 0, .. })
-        ));
-        assert!(matches!(
-            logical_totals(&[Some(u64::MAX), Some(1)], None),
-            Err(CoreError::IndexOverflow { .. })
-        ));
+        );
+        assert_eq!(
+            p.reference_counts(1),
+            Err(CoreError::SegmentIndexOutOfRange {
+                at: 1,
+                value: 1,
+                n_physical: 1
+            })
+        );
+        assert_eq!(
+            PackedLayout::legacy(2).reference_counts(3),
+            Ok(vec![1, 1, 0])
+        );
     }
 }

@@ -16,10 +16,15 @@ pub enum CoreError {
     /// The last row offset is not the number of segment references.
     OffsetsEnd { last: i64, refs: usize },
     /// A segment reference outside `[0, n_physical)`.
-    SegmentIndexOutOfRange { at: usize, value: i64, n_physical: usize },
+    SegmentIndexOutOfRange {
+        at: usize,
+        value: i64,
+        n_physical: usize,
+    },
     /// A provenance list whose length is not the number of physical segments.
     ProvenanceLength { expected: usize, actual: usize },
-    /// A provenance entry that is not 16 bytes.
+    /// A provenance entry that is not 16 bytes (`at`: its position; for a blob, the position
+    /// of the incomplete trailing entry).
     ProvenanceEntry { at: usize, len: usize },
     /// A row index outside the value (already normalized for negatives).
     RowOutOfRange { row: i64 },
@@ -29,20 +34,42 @@ pub enum CoreError {
     ShardNotDivisible { rows: usize, shards: usize },
     /// A negative repeat count.
     Repeats { repeats: i64 },
+    /// Values to concatenate that are none, or differ in `field` (NeMo-RL's assertion).
+    ConcatIncompatible { field: &'static str },
+    /// A `flattened_concat` input (position `at`) with other than one row.
+    FlattenedRows { at: usize, rows: usize },
     // --- packing ---
     /// An item over a bin budget (`what` is "length" or "media").
-    ItemTooLarge { index: usize, what: &'static str, size: i64, capacity: i64 },
+    ItemTooLarge {
+        index: usize,
+        what: &'static str,
+        size: i64,
+        capacity: i64,
+    },
     /// A zero / negative length or a negative media count; `rule` says what is allowed.
-    InvalidItem { index: usize, what: &'static str, value: i64, rule: &'static str },
+    InvalidItem {
+        index: usize,
+        what: &'static str,
+        value: i64,
+        rule: &'static str,
+    },
     /// A packing argument out of range or inconsistent with the others.
     PackingArgument { name: &'static str, detail: String },
     /// `min_bins` / `bins_multiple_of` need more bins than there are items (NeMo-RL's message).
     BinCount { target: usize, total: usize },
     // --- mask / batch ---
     /// A loss mask whose length differs from the sample's token count.
-    MaskLength { sample: String, expected: usize, actual: usize },
+    MaskLength {
+        sample: String,
+        expected: usize,
+        actual: usize,
+    },
     /// A loss-mask value outside {0, 1}; `position` is the first such value.
-    MaskValue { sample: String, position: usize, value: String },
+    MaskValue {
+        sample: String,
+        position: usize,
+        value: String,
+    },
     /// A loss mask with no trainable token where one is required.
     MaskNoTrainable { sample: String },
     /// Message / fragment spans inconsistent with each other or with the token count.
@@ -50,24 +77,45 @@ pub enum CoreError {
     /// Turn markers missing or not in user/assistant pairs.
     TurnMarkers { sample: String, count: usize },
     /// A sample lacks a field its loss-mask mode needs.
-    MissingField { sample: String, field: &'static str, mode: &'static str },
+    MissingField {
+        sample: String,
+        field: &'static str,
+        mode: &'static str,
+    },
     /// A sample with no tokens.
     EmptySample { sample: String },
     /// `pack_samples` called with no samples.
     EmptyBatch,
     /// A negative token id.
-    InvalidToken { sample: String, position: usize, value: i64 },
+    InvalidToken {
+        sample: String,
+        position: usize,
+        value: i64,
+    },
     /// A batch-builder option out of range.
     BatchOption { name: &'static str, detail: String },
     // --- gather ---
     /// `order[at]` names no source segment.
-    GatherIndex { at: usize, index: i64, n_sources: usize },
+    GatherIndex {
+        at: usize,
+        index: i64,
+        n_sources: usize,
+    },
     /// A source segment does not split into `outer` equal blocks.
-    GatherUneven { source: usize, len: usize, outer: usize },
+    GatherUneven {
+        source: usize,
+        len: usize,
+        outer: usize,
+    },
     /// The output buffer does not have the gathered length.
     GatherSize { expected: usize, actual: usize },
     /// A gather range `[start, start + len)` does not lie inside the source buffer.
-    GatherRange { segment: usize, start: i64, len: i64, src_len: usize },
+    GatherRange {
+        segment: usize,
+        start: i64,
+        len: i64,
+        src_len: usize,
+    },
 }
 
 impl fmt::Display for CoreError {
@@ -115,6 +163,14 @@ impl fmt::Display for CoreError {
             Self::Repeats { repeats } => {
                 write!(f, "repeats must be a non-negative integer, got {repeats}")
             }
+            Self::ConcatIncompatible { field } => {
+                write!(f, "All packed tensors must have the same {field}")
+            }
+            Self::FlattenedRows { at, rows } => write!(
+                f,
+                "flattened_concat requires one logical row per input; merge_segments only \
+                 collapses dedup-enabled values (from_packed_tensors[{at}] has {rows} rows)"
+            ),
             // --- packing ---
             Self::ItemTooLarge { index, what, size, capacity } => write!(
                 f,

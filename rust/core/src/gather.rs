@@ -93,27 +93,25 @@ pub fn gather_into(
         return Ok(());
     }
     let outer = outer.max(1);
+    // Every index and every referenced source's split were checked by `gathered_len`.
     let mut blocks: Vec<&[u8]> = Vec::with_capacity(order.len().saturating_mul(outer));
     for o in 0..outer {
-        for (at, &index) in order.iter().enumerate() {
-            let k = checked_source(index, at, sources.len())?;
-            let src = sources.get(k).copied().unwrap_or(&[]);
+        for &index in order {
+            let src = usize::try_from(index)
+                .ok()
+                .and_then(|k| sources.get(k))
+                .copied();
+            debug_assert!(src.is_some(), "order checked by gathered_len");
+            let src = src.unwrap_or_default();
             let block = src.len() / outer;
-            let start = o.checked_mul(block).ok_or(CoreError::IndexOverflow {
-                what: "gather block offset",
-            })?;
-            let end = start.checked_add(block).ok_or(CoreError::IndexOverflow {
-                what: "gather block end",
-            })?;
-            let src_block = src.get(start..end).ok_or(CoreError::GatherUneven {
-                source: k,
-                len: src.len(),
-                outer,
-            })?;
-            blocks.push(src_block);
+            // o < outer and block * outer == src.len(): inside the source
+            let src_block = src.get(o * block..(o + 1) * block);
+            debug_assert!(src_block.is_some(), "source split checked by gathered_len");
+            blocks.push(src_block.unwrap_or_default());
         }
     }
-    copy_blocks(out, &blocks)
+    copy_blocks(out, &blocks);
+    Ok(())
 }
 
 /// Gather byte ranges of one source buffer into `out`: segment `k` is
@@ -195,40 +193,35 @@ pub fn gather_ranges_into(
     if expected == 0 {
         return Ok(());
     }
+    // Every order entry and range was checked above.
     let mut blocks: Vec<&[u8]> = Vec::with_capacity(order.len().saturating_mul(outer));
     let mut base: usize = 0;
     for _ in 0..outer {
-        for (at, &index) in order.iter().enumerate() {
-            let k = checked_source(index, at, ranges.len())?;
-            let (s, e) = ranges.get(k).copied().unwrap_or((0, 0));
-            // in range: base <= last and end + last <= src.len() were checked above
-            let block = src.get(base + s..base + e).ok_or(CoreError::GatherRange {
-                segment: k,
-                start: starts.get(k).copied().unwrap_or(0),
-                len: lens.get(k).copied().unwrap_or(0),
-                src_len: src.len(),
-            })?;
-            blocks.push(block);
+        for &index in order {
+            let range = usize::try_from(index).ok().and_then(|k| ranges.get(k));
+            debug_assert!(range.is_some(), "order checked above");
+            let (s, e) = range.copied().unwrap_or((0, 0));
+            // base <= last and end + last <= src.len() were checked above
+            let block = src.get(base + s..base + e);
+            debug_assert!(block.is_some(), "ranges checked above");
+            blocks.push(block.unwrap_or_default());
         }
         base = base.saturating_add(src_stride);
     }
-    copy_blocks(out, &blocks)
+    copy_blocks(out, &blocks);
+    Ok(())
 }
 
-/// Copy `blocks` back to back into `out` (whose length is their total), in parallel when large.
-fn copy_blocks(out: &mut [u8], blocks: &[&[u8]]) -> CoreResult<()> {
+/// Copy `blocks` back to back into `out`, whose length is their total (the callers checked
+/// it), in parallel when large.
+fn copy_blocks(out: &mut [u8], blocks: &[&[u8]]) {
     let total = out.len();
+    debug_assert_eq!(total, blocks.iter().map(|b| b.len()).sum::<usize>());
     let mut pieces: Vec<(&mut [u8], &[u8])> = Vec::with_capacity(blocks.len());
     let mut rest = out;
     for &block in blocks {
-        if block.is_empty() {
+        if block.is_empty() || rest.len() < block.len() {
             continue;
-        }
-        if rest.len() < block.len() {
-            return Err(CoreError::GatherSize {
-                expected: total.saturating_add(block.len()),
-                actual: total,
-            });
         }
         let (dst, tail) = std::mem::take(&mut rest).split_at_mut(block.len());
         rest = tail;
@@ -240,12 +233,6 @@ fn copy_blocks(out: &mut [u8], blocks: &[&[u8]]) -> CoreResult<()> {
         } else {
             pieces.push((dst, block));
         }
-    }
-    if !rest.is_empty() {
-        return Err(CoreError::GatherSize {
-            expected: total - rest.len(),
-            actual: total,
-        });
     }
     if total < PARALLEL_MIN_BYTES || rayon::current_num_threads() < 2 {
         for (dst, src) in pieces {
@@ -259,7 +246,6 @@ fn copy_blocks(out: &mut [u8], blocks: &[&[u8]]) -> CoreResult<()> {
             .with_min_len(min_len)
             .for_each(|(dst, src)| dst.copy_from_slice(src));
     }
-    Ok(())
 }
 
 #[cfg(test)]

@@ -1,4 +1,5 @@
-//! Provenance: 128-bit ids and the interning table (first occurrence wins, deterministic order).
+//! Provenance: 128-bit ids, their byte forms (one `bytes` per id, or one blob of 16 bytes per
+//! id) and the interning table (first occurrence wins, deterministic order).
 //!
 //! A provenance id names one physical media segment. It is never derived from content or from
 //! object identity: it is minted once (here, or by NeMo-RL's `uuid.uuid4().bytes`) and then
@@ -32,6 +33,44 @@ pub fn prov_to_bytes(id: ProvId) -> [u8; 16] {
 #[must_use]
 pub fn prov_from_bytes(bytes: &[u8]) -> Option<ProvId> {
     <[u8; 16]>::try_from(bytes).ok().map(u128::from_be_bytes)
+}
+
+/// Provenance entry `at` of NeMo-RL's list form (one `bytes` per segment).
+///
+/// # Errors
+/// `ProvenanceEntry` unless `bytes` is exactly 16 bytes.
+pub fn parse_id(at: usize, bytes: &[u8]) -> CoreResult<ProvId> {
+    prov_from_bytes(bytes).ok_or(CoreError::ProvenanceEntry {
+        at,
+        len: bytes.len(),
+    })
+}
+
+/// Provenance as one blob of 16 bytes per id, in order (mmpack's pickle form).
+#[must_use]
+pub fn encode_blob(ids: &[ProvId]) -> Vec<u8> {
+    let mut blob = Vec::with_capacity(ids.len().saturating_mul(16));
+    for &id in ids {
+        blob.extend_from_slice(&prov_to_bytes(id));
+    }
+    blob
+}
+
+/// The ids of a blob made by [`encode_blob`].
+///
+/// # Errors
+/// `ProvenanceEntry` naming the incomplete trailing entry when the length is not a multiple
+/// of 16.
+pub fn decode_blob(blob: &[u8]) -> CoreResult<Vec<ProvId>> {
+    let chunks = blob.chunks_exact(16);
+    let rest = chunks.remainder();
+    if !rest.is_empty() {
+        return Err(CoreError::ProvenanceEntry {
+            at: blob.len() / 16,
+            len: rest.len(),
+        });
+    }
+    Ok(chunks.filter_map(prov_from_bytes).collect())
 }
 
 /// Murmur3's 64-bit finaliser: a bijection on `u64`.
@@ -215,6 +254,26 @@ mod tests {
         assert_eq!(t.intern(7), (0, false));
         assert_eq!(t.len(), 2);
         assert_eq!(t.into_ids(), vec![7, 9]);
+    }
+
+    #[test]
+    fn blob_roundtrips_and_names_a_torn_entry() {
+        let ids = mint(3).unwrap_or_default();
+        let blob = encode_blob(&ids);
+        assert_eq!(blob.len(), 48);
+        assert_eq!(&blob[16..32], &prov_to_bytes(ids[1]));
+        assert_eq!(decode_blob(&blob), Ok(ids));
+        assert_eq!(decode_blob(&[]), Ok(Vec::new()));
+        assert_eq!(encode_blob(&[]), Vec::<u8>::new());
+        assert_eq!(
+            decode_blob(&blob[..40]),
+            Err(CoreError::ProvenanceEntry { at: 2, len: 8 })
+        );
+        assert_eq!(parse_id(0, &blob[..16]).ok(), prov_from_bytes(&blob[..16]));
+        assert_eq!(
+            parse_id(4, &[1, 2]),
+            Err(CoreError::ProvenanceEntry { at: 4, len: 2 })
+        );
     }
 
     #[test]

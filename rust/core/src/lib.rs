@@ -9,5 +9,6 @@ pub mod gather;
 pub mod intern;
 pub mod mask;
 pub mod packing;
+pub mod payload;
 
 pub use error::{CoreError, CoreResult};

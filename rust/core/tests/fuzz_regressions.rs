@@ -33,7 +33,7 @@ mod mask_check;
 #[path = "../../../fuzz/src/pack_check.rs"]
 mod pack_check;
 
-use mmpack_core::csr::Packed;
+use mmpack_core::csr::PackedLayout;
 use mmpack_core::mask::{extend_from_spans, from_roles};
 use mmpack_core::packing::{assign_to_ranks, pack, Algorithm, OnOversize, PackOptions, RankCost};
 use mmpack_core::CoreError;
@@ -96,11 +96,7 @@ fn best_fit_keeps_zero_length_items() {
 
 #[test]
 fn shard_of_empty_value_into_huge_count_is_refused() {
-    let empty = Packed {
-        csr: None,
-        provenance: None,
-        n_physical: 0,
-    };
+    let empty = PackedLayout::legacy(0);
     for k in [i64::from(i32::MAX), 1 << 62, i64::MAX] {
         assert!(matches!(
             empty.shard(k),

@@ -3,25 +3,24 @@ use mmpack_core::batch::{self, BatchOptions, MaskMode, SampleRef};
 use mmpack_core::CoreError;
 use numpy::{IntoPyArray, PyArray1, PyArrayMethods};
 use pyo3::prelude::*;
-use pyo3::types::PyTuple;
 
 use crate::errors::PyCoreError;
 use crate::mask::MaskArr;
 
-type Layout<'py> = (
-    Bound<'py, PyArray1<i64>>,
-    Bound<'py, PyArray1<i64>>,
-    Bound<'py, PyArray1<bool>>,
-    Bound<'py, PyArray1<i64>>,
-    Bound<'py, PyArray1<i32>>,
-    Bound<'py, PyArray1<i32>>,
-    usize,
-);
+/// One pack in Megatron's THD layout (`mmpack_core::batch::ThdLayout`), as numpy arrays.
+#[pyclass(frozen, module = "mmpack._native", get_all)]
+pub struct ThdLayout {
+    input_ids: Py<PyArray1<i64>>,
+    labels: Py<PyArray1<i64>>,
+    loss_mask: Py<PyArray1<bool>>,
+    position_ids: Py<PyArray1<i64>>,
+    cu_seqlens: Py<PyArray1<i32>>,
+    cu_seqlens_padded: Py<PyArray1<i32>>,
+    max_seqlen: usize,
+}
 
 /// Build one pack. The per-sample lists are parallel (`names[i]` names sample `i` in errors);
 /// in precomputed mode `masks` is read, otherwise `message_lengths` and `message_roles`.
-/// Returns `(input_ids, labels, loss_mask, position_ids, cu_seqlens, cu_seqlens_padded,
-/// max_seqlen)`.
 #[pyfunction]
 #[pyo3(signature = (
     names, tokens, masks, message_lengths, message_roles, *,
@@ -41,7 +40,7 @@ fn build_pack<'py>(
     pad_to_multiple_of: i64,
     ignore_index: i64,
     cp_size: i64,
-) -> PyResult<Bound<'py, PyTuple>> {
+) -> PyResult<ThdLayout> {
     let n = names.len();
     if tokens.len() != n
         || masks.len() != n
@@ -97,19 +96,19 @@ fn build_pack<'py>(
     let out = py
         .detach(|| batch::build(&samples, &opts))
         .map_err(PyCoreError)?;
-    let layout: Layout<'py> = (
-        out.input_ids.into_pyarray(py),
-        out.labels.into_pyarray(py),
-        out.loss_mask.into_pyarray(py),
-        out.position_ids.into_pyarray(py),
-        out.cu_seqlens.into_pyarray(py),
-        out.cu_seqlens_padded.into_pyarray(py),
-        out.max_seqlen,
-    );
-    layout.into_pyobject(py)
+    Ok(ThdLayout {
+        input_ids: out.input_ids.into_pyarray(py).unbind(),
+        labels: out.labels.into_pyarray(py).unbind(),
+        loss_mask: out.loss_mask.into_pyarray(py).unbind(),
+        position_ids: out.position_ids.into_pyarray(py).unbind(),
+        cu_seqlens: out.cu_seqlens.into_pyarray(py).unbind(),
+        cu_seqlens_padded: out.cu_seqlens_padded.into_pyarray(py).unbind(),
+        max_seqlen: out.max_seqlen,
+    })
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<ThdLayout>()?;
     m.add_function(wrap_pyfunction!(build_pack, m)?)?;
     Ok(())
 }

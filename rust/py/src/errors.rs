@@ -1,106 +1,74 @@
-//! Typed Python exceptions for `CoreError`. The base `MmpackError` is a `ValueError`.
-//! Each area keeps its exceptions, mappings and registrations in its own section.
+//! Typed Python exceptions for `CoreError`, from one table.
+//!
+//! `exceptions!` below is the only list of the native exception classes: it defines each class
+//! (`create_exception!`), registers it on the module and exports the names, in table order, as
+//! `_native.ERROR_NAMES` (which `mmpack.errors` and its test check against). A user catches a
+//! whole area through its base (`PackedTensorError`, `PackingError`, `BatchError`), all of them
+//! `MmpackError`s, which are `ValueError`s. Adding an error touches the core enum, the mapping
+//! in `From<PyCoreError> for PyErr` and, for a new class, this table.
 use mmpack_core::CoreError;
 use pyo3::create_exception;
-use pyo3::exceptions::PyValueError;
+use pyo3::exceptions::{PyAssertionError, PyIndexError, PyValueError};
 use pyo3::prelude::*;
+use pyo3::types::PyTuple;
 
-// --- shared ---
-create_exception!(mmpack._native, MmpackError, PyValueError, "Base class of every mmpack error.");
-create_exception!(mmpack._native, IndexOverflowError, MmpackError, "Index arithmetic overflowed.");
-// --- csr / intern ---
-create_exception!(
-    mmpack._native,
-    LayoutError,
-    MmpackError,
-    "A PackedTensor row mapping breaks a rule: row offsets start at 0, never decrease and end \
-     at the number of segment references; segment indices name existing physical segments; \
-     one provenance id per physical segment; repeat counts are non-negative."
-);
-create_exception!(
-    mmpack._native,
-    ProvenanceError,
-    LayoutError,
-    "A provenance entry is not a 16-byte id (uuid.uuid4().bytes)."
-);
-create_exception!(
-    mmpack._native,
-    ShardError,
-    MmpackError,
-    "Rows cannot be split into the requested number of equal shards."
-);
-// --- packing ---
-create_exception!(
-    mmpack._native,
-    ItemTooLargeError,
-    MmpackError,
-    "An item's length (or media count) exceeds the bin capacity; the message names the item."
-);
-create_exception!(
-    mmpack._native,
-    InvalidLengthError,
-    MmpackError,
-    "A length is zero or negative, or a media count is negative; the message names the item."
-);
-create_exception!(
-    mmpack._native,
-    PackingArgumentError,
-    MmpackError,
-    "A packing argument is out of range or inconsistent with the others."
-);
-create_exception!(
-    mmpack._native,
-    BinCountError,
-    MmpackError,
-    "min_bins / bins_multiple_of ask for more bins than there are items."
-);
-// --- mask / batch ---
-create_exception!(
-    mmpack._native,
-    LossMaskError,
-    MmpackError,
-    "A loss mask breaks a rule: length equals the token count, values only 0 and 1, \
-     at least one trainable token when required."
-);
-create_exception!(
-    mmpack._native,
-    MessageSpanError,
-    LossMaskError,
-    "Message / fragment lengths and roles are inconsistent with each other or with the token count."
-);
-create_exception!(
-    mmpack._native,
-    TurnStructureError,
-    MmpackError,
-    "Turn markers are missing or not in user/assistant pairs."
-);
-create_exception!(
-    mmpack._native,
-    MissingFieldError,
-    MmpackError,
-    "A sample lacks a field its loss-mask mode needs."
-);
-create_exception!(mmpack._native, EmptySampleError, MmpackError, "A sample (or a batch) has no tokens.");
-create_exception!(mmpack._native, InvalidTokenError, MmpackError, "A token id is negative.");
-create_exception!(
-    mmpack._native,
-    BatchOptionError,
-    MmpackError,
-    "A batch-builder option is out of range."
-);
-// --- gather ---
-create_exception!(
-    mmpack._native,
-    GatherIndexError,
-    MmpackError,
-    "A gather order names a source segment that does not exist."
-);
-create_exception!(
-    mmpack._native,
-    GatherSizeError,
-    MmpackError,
-    "A gather's output buffer or source segments have the wrong number of bytes."
-);
+/// `Name(Base): "doc";` entries: the class, its base and its docstring.
+macro_rules! exceptions {
+    ($($name:ident($base:ty): $doc:literal;)+) => {
+        $(create_exception!(mmpack._native, $name, $base, $doc);)+
+
+        /// The names of the native exception classes, in table order.
+        pub const ERROR_NAMES: &[&str] = &[$(stringify!($name)),+];
+
+        pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+            let py = m.py();
+            $(m.add(stringify!($name), py.get_type::<$name>())?;)+
+            m.add("ERROR_NAMES", PyTuple::new(py, ERROR_NAMES)?)?;
+            Ok(())
+        }
+    };
+}
+
+exceptions! {
+    // --- shared ---
+    MmpackError(PyValueError): "Base class of every mmpack error on bad input (a ValueError); \
+        the message names the sample, argument or index at fault.";
+    IndexOverflowError(MmpackError): "A length, count, offset or token id does not fit where it \
+        must go (int64, int32 cu_seqlens, or memory).";
+    // --- PackedTensor ---
+    PackedTensorError(MmpackError): "Base class of the PackedTensor errors: row layout, \
+        provenance, shards, segments and output buffers.";
+    LayoutError(PackedTensorError): "A PackedTensor row mapping breaks a rule: row offsets \
+        start at 0, never decrease and end at the number of segment references; segment \
+        indices name existing physical segments; one provenance id per physical segment; \
+        repeat counts are non-negative.";
+    ProvenanceError(LayoutError): "A provenance entry is not a 16-byte id (uuid.uuid4().bytes).";
+    ShardError(PackedTensorError): "Rows cannot be split into the requested number of equal \
+        shards.";
+    // --- packing ---
+    PackingError(MmpackError): "Base class of the sequence-packing errors: lengths, bin \
+        budgets, bin counts and packing arguments.";
+    ItemTooLargeError(PackingError): "An item's length (or media count) exceeds the bin \
+        capacity; the message names the item.";
+    InvalidLengthError(PackingError): "A length is zero or negative, or a media count is \
+        negative; the message names the item.";
+    PackingArgumentError(PackingError): "A packing argument is out of range or inconsistent \
+        with the others.";
+    BinCountError(PackingError): "min_bins / bins_multiple_of ask for more bins than there are \
+        items.";
+    // --- batch ---
+    BatchError(MmpackError): "Base class of the errors of building a packed batch: samples, \
+        loss masks, turn markers, media and batch options.";
+    LossMaskError(BatchError): "A loss mask breaks a rule: length equals the token count, \
+        values only 0 and 1, at least one trainable token when required.";
+    MessageSpanError(LossMaskError): "Message / fragment lengths and roles are inconsistent \
+        with each other or with the token count.";
+    TurnStructureError(BatchError): "Turn markers are missing or not in user/assistant pairs.";
+    MissingFieldError(BatchError): "A sample lacks a field its loss-mask mode needs.";
+    EmptySampleError(BatchError): "A sample (or a batch) has no tokens.";
+    InvalidTokenError(BatchError): "A token id is negative.";
+    BatchOptionError(BatchError): "A batch-builder option is out of range.";
+}
 
 /// Newtype so `?` turns a `CoreError` into the right Python exception.
 pub struct PyCoreError(pub CoreError);
@@ -117,7 +85,7 @@ impl From<PyCoreError> for PyErr {
         match err.0 {
             // --- shared ---
             CoreError::IndexOverflow { .. } => IndexOverflowError::new_err(msg),
-            // --- csr / intern ---
+            // --- PackedTensor ---
             CoreError::OffsetsStart
             | CoreError::OffsetsDecreasing { .. }
             | CoreError::OffsetsEnd { .. }
@@ -125,16 +93,25 @@ impl From<PyCoreError> for PyErr {
             | CoreError::ProvenanceLength { .. }
             | CoreError::Repeats { .. } => LayoutError::new_err(msg),
             CoreError::ProvenanceEntry { .. } => ProvenanceError::new_err(msg),
-            CoreError::RowOutOfRange { .. } => pyo3::exceptions::PyIndexError::new_err(msg),
+            // NeMo-RL raises the builtins here.
+            CoreError::RowOutOfRange { .. } => PyIndexError::new_err(msg),
+            CoreError::ConcatIncompatible { .. } | CoreError::FlattenedRows { .. } => {
+                PyAssertionError::new_err(msg)
+            }
             CoreError::ShardCount { .. } | CoreError::ShardNotDivisible { .. } => {
                 ShardError::new_err(msg)
             }
+            // Only a wrong call of the private gather functions reaches these.
+            CoreError::GatherIndex { .. }
+            | CoreError::GatherUneven { .. }
+            | CoreError::GatherSize { .. }
+            | CoreError::GatherRange { .. } => PackedTensorError::new_err(msg),
             // --- packing ---
             CoreError::ItemTooLarge { .. } => ItemTooLargeError::new_err(msg),
             CoreError::InvalidItem { .. } => InvalidLengthError::new_err(msg),
             CoreError::PackingArgument { .. } => PackingArgumentError::new_err(msg),
             CoreError::BinCount { .. } => BinCountError::new_err(msg),
-            // --- mask / batch ---
+            // --- batch ---
             CoreError::MaskLength { .. }
             | CoreError::MaskValue { .. }
             | CoreError::MaskNoTrainable { .. } => LossMaskError::new_err(msg),
@@ -144,39 +121,6 @@ impl From<PyCoreError> for PyErr {
             CoreError::EmptySample { .. } | CoreError::EmptyBatch => EmptySampleError::new_err(msg),
             CoreError::InvalidToken { .. } => InvalidTokenError::new_err(msg),
             CoreError::BatchOption { .. } => BatchOptionError::new_err(msg),
-            // --- gather ---
-            CoreError::GatherIndex { .. } => GatherIndexError::new_err(msg),
-            CoreError::GatherUneven { .. }
-            | CoreError::GatherSize { .. }
-            | CoreError::GatherRange { .. } => GatherSizeError::new_err(msg),
         }
     }
-}
-
-pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    let py = m.py();
-    // --- shared ---
-    m.add("MmpackError", py.get_type::<MmpackError>())?;
-    m.add("IndexOverflowError", py.get_type::<IndexOverflowError>())?;
-    // --- csr / intern ---
-    m.add("LayoutError", py.get_type::<LayoutError>())?;
-    m.add("ProvenanceError", py.get_type::<ProvenanceError>())?;
-    m.add("ShardError", py.get_type::<ShardError>())?;
-    // --- packing ---
-    m.add("ItemTooLargeError", py.get_type::<ItemTooLargeError>())?;
-    m.add("InvalidLengthError", py.get_type::<InvalidLengthError>())?;
-    m.add("PackingArgumentError", py.get_type::<PackingArgumentError>())?;
-    m.add("BinCountError", py.get_type::<BinCountError>())?;
-    // --- mask / batch ---
-    m.add("LossMaskError", py.get_type::<LossMaskError>())?;
-    m.add("MessageSpanError", py.get_type::<MessageSpanError>())?;
-    m.add("TurnStructureError", py.get_type::<TurnStructureError>())?;
-    m.add("MissingFieldError", py.get_type::<MissingFieldError>())?;
-    m.add("EmptySampleError", py.get_type::<EmptySampleError>())?;
-    m.add("InvalidTokenError", py.get_type::<InvalidTokenError>())?;
-    m.add("BatchOptionError", py.get_type::<BatchOptionError>())?;
-    // --- gather ---
-    m.add("GatherIndexError", py.get_type::<GatherIndexError>())?;
-    m.add("GatherSizeError", py.get_type::<GatherSizeError>())?;
-    Ok(())
 }

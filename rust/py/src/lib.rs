@@ -8,6 +8,7 @@ mod gather;
 mod mask;
 mod packed;
 mod packing;
+mod payload;
 
 #[pymodule(gil_used = false)]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -15,6 +16,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
     packed::register(m)?;
     packing::register(m)?;
+    payload::register(m)?;
     mask::register(m)?;
     batch::register(m)?;
     gather::register(m)?;

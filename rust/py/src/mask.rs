@@ -135,12 +135,12 @@ fn turn_spans<'py>(
     let spans = py
         .detach(|| mask::turn_spans(token_ids, markers, sample))
         .map_err(PyCoreError)?;
-    let flat = spans
+    // Positions in `token_ids`, which is held in memory: they fit in int64.
+    let flat: Vec<i64> = spans
         .iter()
         .flatten()
-        .map(|&v| i64::try_from(v))
-        .collect::<Result<Vec<i64>, _>>()
-        .map_err(|_| PyCoreError(mmpack_core::CoreError::IndexOverflow { what: "turn spans" }))?;
+        .map(|&v| i64::try_from(v).unwrap_or(i64::MAX))
+        .collect();
     Ok(flat.into_pyarray(py))
 }
 

@@ -5,29 +5,31 @@
 //! Operations that select or merge physical segments also take the value's `tensors` list and
 //! return the output list, built here while attached, so the Python layer does no per-segment
 //! work. O(n) core work runs with the GIL released.
-use mmpack_core::csr::{self, ConcatInput, Csr, Packed, Selection};
-use mmpack_core::intern::{prov_from_bytes, prov_to_bytes, ProvId};
-use mmpack_core::CoreError;
+use mmpack_core::csr::{self, ConcatInput, ConcatMode, ConcatOutcome, PackedLayout, Selection};
+use mmpack_core::intern::{self, prov_to_bytes, ProvId};
 use numpy::{IntoPyArray, PyArray1, PyArrayMethods};
-use pyo3::exceptions::{PyAssertionError, PyAttributeError, PyTypeError};
+use pyo3::exceptions::{PyAttributeError, PyTypeError, PyValueError};
 use pyo3::intern;
 use pyo3::prelude::*;
-use pyo3::types::{PyBytes, PyList, PySet, PySetMethods, PyString, PyTuple};
+use pyo3::types::{PyBytes, PyList, PyString, PyTuple};
 
 use crate::errors::PyCoreError;
 
 /// The row mapping and provenance of one `PackedTensor` (never the tensors themselves).
 #[pyclass(frozen, module = "mmpack._native", name = "PackedLayout")]
 pub struct PyPackedLayout {
-    inner: Packed,
+    inner: PackedLayout,
 }
 
-fn layout_obj(py: Python<'_>, inner: Packed) -> PyResult<Bound<'_, PyPackedLayout>> {
+fn layout_obj(py: Python<'_>, inner: PackedLayout) -> PyResult<Bound<'_, PyPackedLayout>> {
     Bound::new(py, PyPackedLayout { inner })
 }
 
-fn read_i64<'a>(arr: &'a numpy::PyReadonlyArray1<'_, i64>) -> PyResult<&'a [i64]> {
-    Ok(arr.as_slice()?)
+fn type_name(value: &Bound<'_, PyAny>) -> String {
+    value
+        .get_type()
+        .name()
+        .map_or_else(|_| "?".to_owned(), |n| n.to_string())
 }
 
 /// Provenance ids from a sequence of 16-byte `bytes` (NeMo-RL's list form).
@@ -38,30 +40,12 @@ fn parse_provenance(seq: &Bound<'_, PyAny>) -> PyResult<Vec<ProvId>> {
         let bytes = item.cast::<PyBytes>().map_err(|_| {
             PyTypeError::new_err(format!(
                 "_segment_provenance entry {at} must be bytes (uuid.uuid4().bytes), got {}",
-                item.get_type()
-                    .name()
-                    .map_or_else(|_| "?".to_owned(), |n| n.to_string())
+                type_name(&item)
             ))
         })?;
-        let b = bytes.as_bytes();
-        let id = prov_from_bytes(b)
-            .ok_or(PyCoreError(CoreError::ProvenanceEntry { at, len: b.len() }))?;
-        out.push(id);
+        out.push(intern::parse_id(at, bytes.as_bytes()).map_err(PyCoreError)?);
     }
     Ok(out)
-}
-
-/// Provenance ids from one blob of `16 * n` bytes (the pickle form).
-fn parse_blob(blob: &[u8]) -> PyResult<Vec<ProvId>> {
-    let chunks = blob.chunks_exact(16);
-    if !chunks.remainder().is_empty() {
-        return Err(PyCoreError(CoreError::ProvenanceEntry {
-            at: blob.len() / 16,
-            len: chunks.remainder().len(),
-        })
-        .into());
-    }
-    Ok(chunks.filter_map(prov_from_bytes).collect())
 }
 
 fn prov_list<'py>(py: Python<'py>, ids: &[ProvId]) -> PyResult<Bound<'py, PyList>> {
@@ -96,7 +80,7 @@ fn selection_out<'py>(
     sel: Selection,
 ) -> PyResult<Bound<'py, PyTuple>> {
     let list = pick(tensors, &sel.physical)?;
-    let lay = layout_obj(py, sel.packed)?;
+    let lay = layout_obj(py, sel.layout)?;
     PyTuple::new(py, [lay.into_any(), list.into_any()])
 }
 
@@ -114,43 +98,31 @@ impl PyPackedLayout {
         provenance: Option<&Bound<'_, PyAny>>,
         provenance_blob: Option<&Bound<'_, PyBytes>>,
     ) -> PyResult<Self> {
-        let csr = match (offsets, indices) {
+        let layout = match (offsets, indices) {
             (Some(o), Some(i)) => {
                 let (o, i) = (o.try_readonly()?, i.try_readonly()?);
-                let (o, i) = (read_i64(&o)?, read_i64(&i)?);
-                py.detach(|| csr::validate(o, i, n_physical))
-                    .map_err(PyCoreError)?;
-                Some(Csr {
-                    offsets: o.to_vec(),
-                    indices: i.to_vec(),
-                })
+                let (o, i) = (o.as_slice()?, i.as_slice()?);
+                py.detach(|| PackedLayout::from_csr(o.to_vec(), i.to_vec(), n_physical))
+                    .map_err(PyCoreError)?
             }
-            (None, None) => None,
+            (None, None) => PackedLayout::legacy(n_physical),
             _ => {
-                return Err(pyo3::exceptions::PyValueError::new_err(
+                return Err(PyValueError::new_err(
                     "_row_offsets and _segment_indices must either both be set or both be None",
                 ))
             }
         };
         let provenance = match (provenance, provenance_blob) {
             (Some(seq), _) => {
-                let len = seq.len()?;
-                csr::validate_provenance_len(len, n_physical).map_err(PyCoreError)?;
+                // The length first, as NeMo-RL checks it, then each entry.
+                csr::validate_provenance_len(seq.len()?, n_physical).map_err(PyCoreError)?;
                 Some(parse_provenance(seq)?)
             }
-            (None, Some(blob)) => {
-                let ids = parse_blob(blob.as_bytes())?;
-                csr::validate_provenance_len(ids.len(), n_physical).map_err(PyCoreError)?;
-                Some(ids)
-            }
+            (None, Some(blob)) => Some(intern::decode_blob(blob.as_bytes()).map_err(PyCoreError)?),
             (None, None) => None,
         };
         Ok(Self {
-            inner: Packed {
-                csr,
-                provenance,
-                n_physical,
-            },
+            inner: layout.with_provenance(provenance).map_err(PyCoreError)?,
         })
     }
 
@@ -158,14 +130,14 @@ impl PyPackedLayout {
     #[staticmethod]
     fn legacy_dedup(n_physical: usize) -> PyResult<Self> {
         Ok(Self {
-            inner: Packed::legacy_dedup(n_physical).map_err(PyCoreError)?,
+            inner: PackedLayout::legacy_dedup(n_physical).map_err(PyCoreError)?,
         })
     }
 
     /// `n` fresh provenance ids (uuid4 bytes), unique within the process.
     #[staticmethod]
     fn mint<'py>(py: Python<'py>, n: usize) -> PyResult<Bound<'py, PyList>> {
-        let ids = mmpack_core::intern::mint(n).map_err(PyCoreError)?;
+        let ids = intern::mint(n).map_err(PyCoreError)?;
         prov_list(py, &ids)
     }
 
@@ -176,71 +148,62 @@ impl PyPackedLayout {
 
     #[getter]
     fn n_physical(&self) -> usize {
-        self.inner.n_physical
+        self.inner.n_physical()
     }
 
     #[getter]
     fn is_csr(&self) -> bool {
-        self.inner.csr.is_some()
+        self.inner.is_csr()
     }
 
     #[getter]
     fn has_provenance(&self) -> bool {
-        self.inner.provenance.is_some()
+        self.inner.provenance().is_some()
     }
 
     /// Row offsets as a new int64 array, or None for the legacy layout.
     fn offsets<'py>(&self, py: Python<'py>) -> Option<Bound<'py, PyArray1<i64>>> {
         self.inner
-            .csr
-            .as_ref()
-            .map(|c| PyArray1::from_slice(py, &c.offsets))
+            .csr()
+            .map(|c| PyArray1::from_slice(py, c.offsets()))
     }
 
     /// Segment indices as a new int64 array, or None for the legacy layout.
     fn indices<'py>(&self, py: Python<'py>) -> Option<Bound<'py, PyArray1<i64>>> {
         self.inner
-            .csr
-            .as_ref()
-            .map(|c| PyArray1::from_slice(py, &c.indices))
+            .csr()
+            .map(|c| PyArray1::from_slice(py, c.indices()))
     }
 
     /// Row offsets as a new `list[int]`, or None.
     fn offsets_list<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyList>>> {
         self.inner
-            .csr
-            .as_ref()
-            .map(|c| PyList::new(py, &c.offsets))
+            .csr()
+            .map(|c| PyList::new(py, c.offsets()))
             .transpose()
     }
 
     /// Segment indices as a new `list[int]`, or None.
     fn indices_list<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyList>>> {
         self.inner
-            .csr
-            .as_ref()
-            .map(|c| PyList::new(py, &c.indices))
+            .csr()
+            .map(|c| PyList::new(py, c.indices()))
             .transpose()
     }
 
     /// Provenance as a new `list[bytes]`, or None.
     fn provenance_list<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyList>>> {
         self.inner
-            .provenance
-            .as_ref()
+            .provenance()
             .map(|p| prov_list(py, p))
             .transpose()
     }
 
     /// Provenance as one `bytes` of 16 bytes per segment, or None.
     fn provenance_blob<'py>(&self, py: Python<'py>) -> Option<Bound<'py, PyBytes>> {
-        self.inner.provenance.as_ref().map(|p| {
-            let mut buf = Vec::with_capacity(p.len().saturating_mul(16));
-            for &id in p {
-                buf.extend_from_slice(&prov_to_bytes(id));
-            }
-            PyBytes::new(py, &buf)
-        })
+        self.inner
+            .provenance()
+            .map(|p| PyBytes::new(py, &intern::encode_blob(p)))
     }
 
     /// The same layout with other provenance (a sequence of bytes) or none.
@@ -248,18 +211,15 @@ impl PyPackedLayout {
     fn with_provenance(&self, provenance: Option<&Bound<'_, PyAny>>) -> PyResult<Self> {
         let provenance = match provenance {
             Some(seq) => {
-                csr::validate_provenance_len(seq.len()?, self.inner.n_physical)
+                csr::validate_provenance_len(seq.len()?, self.inner.n_physical())
                     .map_err(PyCoreError)?;
                 Some(parse_provenance(seq)?)
             }
             None => None,
         };
+        let inner = self.inner.clone().with_provenance(provenance);
         Ok(Self {
-            inner: Packed {
-                csr: self.inner.csr.clone(),
-                provenance,
-                n_physical: self.inner.n_physical,
-            },
+            inner: inner.map_err(PyCoreError)?,
         })
     }
 
@@ -303,15 +263,11 @@ impl PyPackedLayout {
         let counts = py
             .detach(|| inner.reference_counts(n_physical))
             .map_err(PyCoreError)?;
-        let counts = counts
+        // A count is at most the number of references, which fits in int64.
+        let counts: Vec<i64> = counts
             .into_iter()
-            .map(|c| {
-                i64::try_from(c).map_err(|_| CoreError::IndexOverflow {
-                    what: "a reference count",
-                })
-            })
-            .collect::<Result<Vec<i64>, _>>()
-            .map_err(PyCoreError)?;
+            .map(|c| i64::try_from(c).unwrap_or(i64::MAX))
+            .collect();
         Ok(counts.into_pyarray(py))
     }
 
@@ -387,7 +343,7 @@ impl PyPackedLayout {
     fn __reduce__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
         let build = py.get_type::<Self>().getattr(intern!(py, "build"))?;
         let args = (
-            self.inner.n_physical,
+            self.inner.n_physical(),
             self.offsets(py),
             self.indices(py),
             py.None(),
@@ -401,42 +357,48 @@ impl PyPackedLayout {
             "PackedLayout(rows={}, refs={}, physical={}, csr={}, provenance={})",
             self.inner.rows(),
             self.inner.refs(),
-            self.inner.n_physical,
-            self.inner.csr.is_some(),
-            self.inner.provenance.is_some()
+            self.inner.n_physical(),
+            self.inner.is_csr(),
+            self.inner.provenance().is_some()
         )
     }
 }
 
-/// One input value of `packed_concat`, read from its `__dict__`.
+/// The result of `packed_concat`: the fields of the new value. `layout` is None for a legacy
+/// result; `tensors` is None for a legacy `flattened_concat` (the caller materializes each
+/// input into one row).
+#[pyclass(frozen, module = "mmpack._native", get_all)]
+pub struct ConcatResult {
+    dim_to_pack: Py<PyAny>,
+    pad_to_max_shape: Py<PyAny>,
+    layout: Option<Py<PyPackedLayout>>,
+    tensors: Option<Py<PyList>>,
+}
+
+/// The `TypeError` for an input of `packed_concat` that is not PackedTensor-like.
+fn not_packed(value: &Bound<'_, PyAny>, at: usize, mode: ConcatMode, missing: &str) -> PyErr {
+    PyTypeError::new_err(format!(
+        "PackedTensor.{}: from_packed_tensors[{at}] must be a PackedTensor, got {} \
+         (no attribute {missing:?})",
+        mode.name(),
+        type_name(value)
+    ))
+}
+
+/// One input of `packed_concat`: its fields, read as attributes, and its layout.
 struct Input<'py> {
+    dim: Bound<'py, PyAny>,
+    pad: Bound<'py, PyAny>,
     tensors: Bound<'py, PyList>,
     layout: Option<Bound<'py, PyPackedLayout>>,
 }
 
-/// The `TypeError` for an input of `packed_concat` that is not PackedTensor-like.
-fn not_packed(value: &Bound<'_, PyAny>, at: usize, mode: u8, missing: &str) -> PyErr {
-    let op = match mode {
-        1 => "merge_segments",
-        2 => "flattened_concat",
-        _ => "concat",
-    };
-    let tp = value
-        .get_type()
-        .name()
-        .map_or_else(|_| "?".to_owned(), |n| n.to_string());
-    PyTypeError::new_err(format!(
-        "PackedTensor.{op}: from_packed_tensors[{at}] must be a PackedTensor, got {tp} \
-         (no attribute {missing:?})"
-    ))
-}
-
 fn read_value<'py>(
     value: &Bound<'py, PyAny>,
+    layout: Option<Bound<'py, PyAny>>,
     at: usize,
-    mode: u8,
-    fallback: &mut Option<Bound<'py, PyAny>>,
-) -> PyResult<(Input<'py>, Bound<'py, PyAny>, Bound<'py, PyAny>)> {
+    mode: ConcatMode,
+) -> PyResult<Input<'py>> {
     let py = value.py();
     let field = |name: &Bound<'py, PyString>| {
         value.getattr(name).map_err(|e| {
@@ -449,204 +411,97 @@ fn read_value<'py>(
     };
     let dim = field(intern!(py, "dim_to_pack"))?;
     let pad = field(intern!(py, "pad_to_max_shape"))?;
-    let tensors = field(intern!(py, "tensors"))?;
-    let layout = match value.getattr(intern!(py, "_layout")) {
-        Ok(v) if v.is_none() || v.is_instance_of::<PyPackedLayout>() => v,
-        _ => {
-            // No handle yet (raw NeMo-RL `__dict__`, a foreign class): ask Python.
-            let f = match fallback {
-                Some(f) => f.clone(),
-                None => {
-                    let f = py
-                        .import(intern!(py, "mmpack.packed"))?
-                        .getattr(intern!(py, "_layout_of"))?;
-                    *fallback = Some(f.clone());
-                    f
-                }
-            };
-            f.call1((value,))?
-        }
-    };
+    let tensors = list_items(&field(intern!(py, "tensors"))?)?;
+    let layout = layout.ok_or_else(|| {
+        PyValueError::new_err("packed_concat: layouts must have one entry per value")
+    })?;
     let layout = if layout.is_none() {
         None
     } else {
         Some(layout.cast_into::<PyPackedLayout>()?)
     };
-    Ok((
-        Input {
-            tensors: list_items(&tensors)?,
-            layout,
-        },
+    Ok(Input {
         dim,
         pad,
-    ))
+        tensors,
+        layout,
+    })
 }
 
-/// `PackedTensor.concat` / `merge_segments` / `flattened_concat` over a whole list of values.
-///
-/// `mode`: 0 concat, 1 merge (one output row), 2 flattened (every input must have one row when
-/// any is dedup-enabled or CSR). Returns `(dim_to_pack, pad_to_max_shape, layout, tensors)`;
-/// `layout` is None for the legacy result, and `tensors` is None for a legacy flattened concat
-/// (the caller materializes each input).
+/// `PackedTensor.concat` / `merge_segments` / `flattened_concat` (`mode`, the method name)
+/// over a whole list of values, whose layouts (`None` for the legacy layout without
+/// provenance) the caller passes in `layouts`, in the same order.
 #[pyfunction]
-#[pyo3(name = "packed_concat", signature = (values, mode = 0))]
+#[pyo3(name = "packed_concat", signature = (values, layouts, mode))]
 fn py_packed_concat<'py>(
     py: Python<'py>,
     values: &Bound<'py, PyAny>,
-    mode: u8,
-) -> PyResult<Bound<'py, PyTuple>> {
-    let mut fallback = None;
-    let mut inputs = Vec::new();
-    let mut first: Option<(Bound<'py, PyAny>, Bound<'py, PyAny>)> = None;
+    layouts: &Bound<'py, PyList>,
+    mode: &str,
+) -> PyResult<ConcatResult> {
+    let mode = ConcatMode::from_name(mode).ok_or_else(|| {
+        let known: Vec<&str> = ConcatMode::ALL.iter().map(|m| m.name()).collect();
+        PyValueError::new_err(format!(
+            "unknown concat mode {mode:?}; known: {}",
+            known.join(", ")
+        ))
+    })?;
+    let mut inputs: Vec<Input<'py>> = Vec::new();
     let (mut same_dim, mut same_pad) = (true, true);
     for (at, value) in values.try_iter()?.enumerate() {
-        let (input, dim, pad) = read_value(&value?, at, mode, &mut fallback)?;
-        match &first {
-            None => first = Some((dim, pad)),
-            Some((d0, p0)) => {
-                if same_dim && !dim.is(d0) && !dim.eq(d0)? {
-                    same_dim = false;
-                }
-                if same_pad && !pad.is(p0) && !pad.eq(p0)? {
-                    same_pad = false;
-                }
-            }
+        let input = read_value(&value?, layouts.get_item(at).ok(), at, mode)?;
+        if let Some(first) = inputs.first() {
+            // NeMo-RL compares with `==` (a set of the values); `is` first is cheaper.
+            same_dim = same_dim && (input.dim.is(&first.dim) || input.dim.eq(&first.dim)?);
+            same_pad = same_pad && (input.pad.is(&first.pad) || input.pad.eq(&first.pad)?);
         }
         inputs.push(input);
     }
-    let Some((dim, pad)) = first else {
-        return Err(PyAssertionError::new_err(
-            "All packed tensors must have the same dim_to_pack",
-        ));
-    };
-    if !same_dim {
-        return Err(PyAssertionError::new_err(
-            "All packed tensors must have the same dim_to_pack",
-        ));
-    }
-    if !same_pad {
-        return Err(PyAssertionError::new_err(
-            "All packed tensors must have the same pad_to_max_shape setting",
-        ));
-    }
-    let none = || py.None().into_bound(py);
-    if inputs.iter().all(|i| i.layout.is_none()) {
-        if mode == 2 {
-            return PyTuple::new(py, [dim, pad, none(), none()]);
-        }
-        let out = PyList::empty(py);
-        for input in &inputs {
-            for t in input.tensors.iter() {
-                out.append(t)?;
-            }
-        }
-        return PyTuple::new(py, [dim, pad, none(), out.into_any()]);
-    }
-    if mode == 2 {
-        for input in &inputs {
-            let rows = match &input.layout {
-                Some(l) => l.get().inner.rows(),
-                None => input.tensors.len(),
-            };
-            if rows != 1 {
-                return Err(PyAssertionError::new_err(
-                    "flattened_concat requires one logical row per input; \
-                     merge_segments only collapses dedup-enabled values",
-                ));
-            }
-        }
-    }
+    csr::check_compatible(inputs.len(), same_dim, same_pad).map_err(PyCoreError)?;
     let core_inputs: Vec<ConcatInput<'_>> = inputs
         .iter()
-        .map(|input| {
-            let inner = input.layout.as_ref().map(|l| &l.get().inner);
-            ConcatInput {
-                csr: inner.and_then(|p| p.csr.as_ref()),
-                provenance: inner.and_then(|p| p.provenance.as_deref()),
-                n_physical: input.tensors.len(),
-            }
+        .map(|input| ConcatInput {
+            layout: input.layout.as_ref().map(|l| &l.get().inner),
+            n_physical: input.tensors.len(),
         })
         .collect();
-    let result = py
-        .detach(|| {
-            if mode == 1 {
-                csr::merge(&core_inputs)
-            } else {
-                csr::concat(&core_inputs)
+    let outcome = py
+        .detach(|| csr::concat_values(mode, &core_inputs))
+        .map_err(PyCoreError)?;
+    let (layout, tensors) = match outcome {
+        ConcatOutcome::MaterializeEach => (None, None),
+        ConcatOutcome::Legacy => {
+            let out = PyList::empty(py);
+            for input in &inputs {
+                for t in input.tensors.iter() {
+                    out.append(t)?;
+                }
             }
-        })
-        .map_err(PyCoreError)?;
-    let items = result
-        .sources
-        .iter()
-        .map(|&(k, j)| match inputs.get(k) {
-            Some(input) => input.tensors.get_item(j),
-            None => Err(PyCoreError(CoreError::IndexOverflow {
-                what: "a concat source",
-            })
-            .into()),
-        })
-        .collect::<PyResult<Vec<_>>>()?;
-    let out = PyList::new(py, items)?;
-    let lay = layout_obj(py, result.packed)?;
-    PyTuple::new(py, [dim, pad, lay.into_any(), out.into_any()])
-}
-
-/// `payload.measure`'s step for one `PackedTensor`-like value, in one call:
-/// `(physical_bytes, physical_segments, logical_bytes, logical_segments)`.
-///
-/// An entry of `tensors` that is an instance of `array_types` is a segment of `nbytes` bytes;
-/// any other entry (`None` included) is absent. A segment counts as physical only if its `id()`
-/// was not yet in `seen`, which it is added to. `indices` lists the physical segment of each
-/// logical one (`None` for the legacy layout: every entry once).
-#[pyfunction]
-#[pyo3(name = "measure_segments", signature = (tensors, indices, seen, array_types))]
-fn py_measure_segments(
-    py: Python<'_>,
-    tensors: &Bound<'_, PyList>,
-    indices: Option<&Bound<'_, PyArray1<i64>>>,
-    seen: &Bound<'_, PySet>,
-    array_types: &Bound<'_, PyTuple>,
-) -> PyResult<(u64, usize, u64, usize)> {
-    let nbytes = intern!(py, "nbytes");
-    let overflow = || {
-        PyCoreError(CoreError::IndexOverflow {
-            what: "the physical byte count",
-        })
+            (None, Some(out))
+        }
+        ConcatOutcome::Interned(result) => {
+            debug_assert!(result.sources.iter().all(|&(k, _)| k < inputs.len()));
+            let items = result
+                .sources
+                .iter()
+                .filter_map(|&(k, j)| inputs.get(k).map(|input| input.tensors.get_item(j)))
+                .collect::<PyResult<Vec<_>>>()?;
+            let lay = layout_obj(py, result.layout)?;
+            (Some(lay.unbind()), Some(PyList::new(py, items)?))
+        }
     };
-    let mut sizes = Vec::with_capacity(tensors.len());
-    let (mut physical_bytes, mut physical_segments) = (0u64, 0usize);
-    for item in tensors.iter() {
-        if item.is_none() || !item.is_instance(array_types)? {
-            sizes.push(None);
-            continue;
-        }
-        let size: u64 = item.getattr(nbytes)?.extract()?;
-        sizes.push(Some(size));
-        // `id(item)` in CPython; one hash operation tells whether it was new
-        let before = seen.len();
-        seen.add(item.as_ptr() as usize)?;
-        if seen.len() > before {
-            physical_bytes = physical_bytes.checked_add(size).ok_or_else(overflow)?;
-            physical_segments += 1;
-        }
-    }
-    let indices = indices.map(|a| a.try_readonly()).transpose()?;
-    let indices = indices.as_ref().map(|a| a.as_slice()).transpose()?;
-    let (logical_bytes, logical_segments) = py
-        .detach(|| csr::logical_totals(&sizes, indices))
-        .map_err(PyCoreError)?;
-    Ok((
-        physical_bytes,
-        physical_segments,
-        logical_bytes,
-        logical_segments,
-    ))
+    let first = inputs.first();
+    Ok(ConcatResult {
+        dim_to_pack: first.map_or_else(|| py.None(), |i| i.dim.clone().unbind()),
+        pad_to_max_shape: first.map_or_else(|| py.None(), |i| i.pad.clone().unbind()),
+        layout,
+        tensors: tensors.map(Bound::unbind),
+    })
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyPackedLayout>()?;
+    m.add_class::<ConcatResult>()?;
     m.add_function(wrap_pyfunction!(py_packed_concat, m)?)?;
-    m.add_function(wrap_pyfunction!(py_measure_segments, m)?)?;
     Ok(())
 }

@@ -4,12 +4,23 @@ use mmpack_core::packing::{self, Algorithm, OnOversize, PackOptions, RankCost};
 use mmpack_core::CoreError;
 use numpy::{IntoPyArray, PyArray1, PyArrayMethods};
 use pyo3::prelude::*;
-use pyo3::types::{PyList, PyModule, PyTuple};
+use pyo3::types::{PyList, PyModule};
 
 use crate::errors::PyCoreError;
 
-/// Packs `lengths` into bins of `capacity`. Returns `(bin_offsets, item_indices, bin_loads,
-/// bin_media or None, oversize, total_length)`.
+/// The bins of `pack`: CSR `bin_offsets` over `item_indices`, the load (and media, None
+/// without media) of each bin, the oversize items and the packed total length.
+#[pyclass(frozen, module = "mmpack._native", get_all)]
+pub struct PackResult {
+    bin_offsets: Py<PyArray1<i64>>,
+    item_indices: Py<PyArray1<i64>>,
+    bin_loads: Py<PyArray1<i64>>,
+    bin_media: Option<Py<PyArray1<i64>>>,
+    oversize: Py<PyArray1<i64>>,
+    total_length: i64,
+}
+
+/// Packs `lengths` into bins of `capacity`.
 #[pyfunction]
 #[pyo3(
     name = "pack",
@@ -34,7 +45,7 @@ fn py_pack<'py>(
     order: Option<&Bound<'py, PyArray1<i64>>>,
     allow_zero: bool,
     search_budget: usize,
-) -> PyResult<Bound<'py, PyTuple>> {
+) -> PyResult<PackResult> {
     let mut opts = PackOptions::new(
         capacity,
         Algorithm::from_name(algorithm).map_err(PyCoreError)?,
@@ -56,26 +67,25 @@ fn py_pack<'py>(
         .detach(|| packing::pack(lengths, media, &opts))
         .map_err(PyCoreError)?;
     let has_media = media.is_some();
-    let bin_media = if has_media {
-        out.bin_media.into_pyarray(py).into_any()
-    } else {
-        py.None().into_bound(py)
-    };
-    PyTuple::new(
-        py,
-        [
-            out.bin_offsets.into_pyarray(py).into_any(),
-            out.item_indices.into_pyarray(py).into_any(),
-            out.bin_loads.into_pyarray(py).into_any(),
-            bin_media,
-            out.oversize.into_pyarray(py).into_any(),
-            out.total_length.into_pyobject(py)?.into_any(),
-        ],
-    )
+    Ok(PackResult {
+        bin_offsets: out.bin_offsets.into_pyarray(py).unbind(),
+        item_indices: out.item_indices.into_pyarray(py).unbind(),
+        bin_loads: out.bin_loads.into_pyarray(py).unbind(),
+        bin_media: has_media.then(|| out.bin_media.into_pyarray(py).unbind()),
+        oversize: out.oversize.into_pyarray(py).unbind(),
+        total_length: out.total_length,
+    })
+}
+
+/// The result of `shuffle_permutation`: the permutation and the generator's new state.
+#[pyclass(frozen, module = "mmpack._native", get_all)]
+pub struct ShuffleResult {
+    permutation: Py<PyArray1<i64>>,
+    state: Py<PyArray1<u32>>,
+    pos: usize,
 }
 
 /// `random.shuffle(list(range(n)))` from a Mersenne Twister state (624 words + position).
-/// Returns `(permutation, new_state_words, new_position)`.
 #[pyfunction]
 #[pyo3(name = "shuffle_permutation", signature = (state, pos, n))]
 fn py_shuffle_permutation<'py>(
@@ -83,22 +93,29 @@ fn py_shuffle_permutation<'py>(
     state: &Bound<'py, PyArray1<u32>>,
     pos: usize,
     n: usize,
-) -> PyResult<Bound<'py, PyTuple>> {
+) -> PyResult<ShuffleResult> {
     let mut words = state.try_readonly()?.as_slice()?.to_vec();
     let (perm, pos) = py
         .detach(|| packing::shuffle_permutation(&mut words, pos, n))
         .map_err(PyCoreError)?;
-    PyTuple::new(
-        py,
-        [
-            perm.into_pyarray(py).into_any(),
-            words.into_pyarray(py).into_any(),
-            pos.into_pyobject(py)?.into_any(),
-        ],
-    )
+    Ok(ShuffleResult {
+        permutation: perm.into_pyarray(py).unbind(),
+        state: words.into_pyarray(py).unbind(),
+        pos,
+    })
 }
 
-/// Distributes bins over ranks. Returns `(rank_offsets, bin_indices, rank_costs, bin_costs)`.
+/// Bins distributed over ranks: CSR `rank_offsets` over `bin_indices`, and the cost of each
+/// rank and of each bin.
+#[pyclass(frozen, module = "mmpack._native", get_all)]
+pub struct RankResult {
+    rank_offsets: Py<PyArray1<i64>>,
+    bin_indices: Py<PyArray1<i64>>,
+    rank_costs: Py<PyArray1<i64>>,
+    bin_costs: Py<PyArray1<i64>>,
+}
+
+/// Distributes bins over ranks.
 #[pyfunction]
 #[pyo3(name = "assign_to_ranks", signature = (bin_offsets, item_indices, lengths, num_ranks, cost))]
 fn py_assign_to_ranks<'py>(
@@ -108,7 +125,7 @@ fn py_assign_to_ranks<'py>(
     lengths: &Bound<'py, PyArray1<i64>>,
     num_ranks: usize,
     cost: &str,
-) -> PyResult<Bound<'py, PyTuple>> {
+) -> PyResult<RankResult> {
     let cost = RankCost::from_name(cost).map_err(PyCoreError)?;
     let offsets = bin_offsets.try_readonly()?;
     let offsets = offsets.as_slice()?;
@@ -119,15 +136,12 @@ fn py_assign_to_ranks<'py>(
     let out = py
         .detach(|| packing::assign_to_ranks(offsets, items, lengths, num_ranks, cost))
         .map_err(PyCoreError)?;
-    PyTuple::new(
-        py,
-        [
-            out.rank_offsets.into_pyarray(py),
-            out.bin_indices.into_pyarray(py),
-            out.rank_costs.into_pyarray(py),
-            out.bin_costs.into_pyarray(py),
-        ],
-    )
+    Ok(RankResult {
+        rank_offsets: out.rank_offsets.into_pyarray(py).unbind(),
+        bin_indices: out.bin_indices.into_pyarray(py).unbind(),
+        rank_costs: out.rank_costs.into_pyarray(py).unbind(),
+        bin_costs: out.bin_costs.into_pyarray(py).unbind(),
+    })
 }
 
 /// CSR bins as a list of lists of ints (what NeMo-RL's packers return), built in one call.
@@ -196,6 +210,9 @@ impl Drop for GcPause<'_> {
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<PackResult>()?;
+    m.add_class::<ShuffleResult>()?;
+    m.add_class::<RankResult>()?;
     m.add_function(wrap_pyfunction!(py_csr_to_lists, m)?)?;
     m.add_function(wrap_pyfunction!(py_pack, m)?)?;
     m.add_function(wrap_pyfunction!(py_shuffle_permutation, m)?)?;
