@@ -91,9 +91,28 @@ class ModalityConfigError(MmpackError):
     sample is read."""
 
 
-class SampleFormatError(MmpackError):
+class EnergonDataError(MmpackError):
+    """Base of the errors about the data an Energon loader reads (a sample, its media, or media
+    the config does not cover), as opposed to the loader's own settings; the message names the
+    sample."""
+
+
+class SampleFormatError(EnergonDataError):
     """A raw sample cannot be cooked or encoded (malformed JSON, a media placeholder without a
     manifest entry, a missing media key); the message names the sample."""
+
+
+class MediaTokenCountError(EnergonDataError):
+    """A decoded media item takes a different number of tokens than the sample was encoded
+    with (its manifest or fragment metadata declares a wrong size or duration). The message
+    names the sample, the item and both counts; the sample is counted as failed, never packed
+    with its media shifted against its placeholder tokens."""
+
+
+class UndeclaredModalityError(EnergonDataError):
+    """A sample holds media of a kind the encoder's config does not declare in ``modalities``.
+    The message names the kind and the setting to change (``modalities``, or
+    ``on_undeclared_media: skip`` to skip and count such samples instead)."""
 
 
 class TooManySkippedError(MmpackError):
@@ -153,9 +172,12 @@ __all__ = [
     "SegmentMismatchError",
     # --- energon (pure Python) ---
     "EnergonConfigError",
+    "EnergonDataError",
+    "MediaTokenCountError",
     "ModalityConfigError",
     "SampleFormatError",
     "TooManySkippedError",
+    "UndeclaredModalityError",
     # --- compat (pure Python) ---
     "CorruptPickleError",
     "UnsafePickleError",

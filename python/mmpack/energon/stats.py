@@ -34,6 +34,7 @@ SKIP_REASONS = (
     "no_turns",
     "oversize",
     "media_over_budget",
+    "undeclared_modality",
 )
 _OTHER = (
     "seen",
