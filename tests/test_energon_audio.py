@@ -123,7 +123,7 @@ def test_wav_audio_is_decoded_end_to_end(clips: Path, workers: int) -> None:
         (row,) = media_rows(pack.media["audio_values"])
         bounds = pack.cu_seqlens.tolist()
         for i, key in enumerate(pack.sample_ids):
-            seconds, rate, _, with_image = CLIPS[key]
+            _, rate, _, with_image = CLIPS[key]
             waveform = row[i].numpy()
             source = expected_waveform(key)
             length = -(-len(source) * RATE // rate)  # exact resampled length
@@ -132,7 +132,13 @@ def test_wav_audio_is_decoded_end_to_end(clips: Path, workers: int) -> None:
                 np.testing.assert_array_equal(waveform, source)
             else:  # resampled: the same sine at the new rate
                 t = np.arange(length) / RATE
-                assert np.corrcoef(waveform[100:-100], np.interp(t, np.arange(len(source)) / rate, source)[100:-100])[0, 1] > 0.99
+                assert (
+                    np.corrcoef(
+                        waveform[100:-100],
+                        np.interp(t, np.arange(len(source)) / rate, source)[100:-100],
+                    )[0, 1]
+                    > 0.99
+                )
             ids = pack.input_ids[bounds[i] : bounds[i + 1]]
             assert int((ids == audio_id).sum()) == tokens_of(length)
             if with_image:

@@ -69,13 +69,13 @@ def fragments_sample(key: str, declared: int) -> tuple[str, list[tuple[str, byte
 @pytest.fixture(scope="module")
 def liars(tmp_path_factory: pytest.TempPathFactory) -> Path:
     root = tmp_path_factory.mktemp("liars")
-    write_webdataset(
-        root / "generic", [generic_sample(k, d, r) for k, (d, r) in GENERIC.items()]
-    )
+    write_webdataset(root / "generic", [generic_sample(k, d, r) for k, (d, r) in GENERIC.items()])
     (root / "media").mkdir()
     for key, (_declared, real) in FRAGMENTS.items():
         (root / "media" / f"{key}.png").write_bytes(png_bytes(real, real, seed=len(key)))
-    write_webdataset(root / "fragments", [fragments_sample(k, d) for k, (d, _) in FRAGMENTS.items()])
+    write_webdataset(
+        root / "fragments", [fragments_sample(k, d) for k, (d, _) in FRAGMENTS.items()]
+    )
     return write_metadataset(
         root / "blend.yaml",
         [

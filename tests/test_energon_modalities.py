@@ -75,7 +75,9 @@ def video(tmp_path_factory: pytest.TempPathFactory) -> Path:
         {"role": "user", "fragments": [{"media": "clip.mp4", "kind": "video"}]},
         {"role": "assistant", "fragments": [{"text": "lolo", "trainable": True}]},
     ]
-    write_webdataset(root / "fragments", [("v0", [("json", json.dumps({"conversation": turns}).encode())])])
+    write_webdataset(
+        root / "fragments", [("v0", [("json", json.dumps({"conversation": turns}).encode())])]
+    )
     return write_metadataset(
         root / "blend.yaml",
         [{"path": "fragments", "subflavors": {"mmpack_format": "fragments"}, "media": "media"}],

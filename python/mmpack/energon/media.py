@@ -216,8 +216,8 @@ class MediaHandle:
     def image_size(self) -> tuple[int, int]:
         """(width, height) from the metadata, else from the image header (no pixel decode)."""
         width, height = self.meta.get("width"), self.meta.get("height")
-        if _positive(width) and _positive(height):
-            return int(width), int(height)
+        if isinstance(width, int) and isinstance(height, int) and _positive(width, height):
+            return width, height
         from PIL import Image
 
         try:
@@ -343,7 +343,7 @@ def _open_store_file(store: Any, key: str) -> Any:
     path = EPath(key) if inner.base_dir is None else inner.base_dir / key
     try:
         if path.is_local():
-            return open(path.local_path(), "rb", buffering=0)  # noqa: SIM115 - closed by caller
+            return open(path.local_path(), "rb", buffering=0)  # the caller closes it
         return path.open("rb")
     except OSError:
         return None  # the full read reports the missing key with the sample's name
@@ -360,8 +360,8 @@ def store_path(store: Any) -> str:
         ) from err
 
 
-def _positive(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+def _positive(*values: int) -> bool:
+    return all(not isinstance(v, bool) and v > 0 for v in values)
 
 
 def _require(value: int | None, name: str) -> int:

@@ -1,10 +1,12 @@
 """`PackingTaskEncoder`: an Energon task encoder that packs with `mmpack.packing` and builds THD
 batches with `mmpack.batch.pack_samples`.
 
-Pipeline per worker (Energon 7.4): cooker (lazy `Conversation`) -> ``preencode_sample`` (tokens,
-mask inputs, policy checks; users override `encode_conversation`) -> ``select_samples_to_pack``
+Pipeline per worker (Energon 7.4): cooker (lazy `Conversation`) -> ``preencode_sample`` (checks
+that read no media: undeclared modalities, turn structure; then tokens, mask inputs and the
+remaining policy checks; users override `encode_conversation`) -> ``select_samples_to_pack``
 (every buffered sample lands in exactly one pack) -> ``postencode_sample`` (decodes the media of
-that selected sample only) -> ``pack_selected_samples`` (one `PackedBatch`) -> ``batch``.
+that selected sample only, and checks that each item takes the tokens it was encoded with) ->
+``pack_selected_samples`` (one `PackedBatch`) -> ``batch``.
 
 Checkpointing: every hook Energon re-runs on restore is ``@stateless``; randomness may only come
 from ``@stateless(restore_seeds=True)`` (``select_samples_to_pack`` derives the packer's seed from

@@ -7,6 +7,7 @@ any CI job, not only in a live loader worker."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterator
 from typing import Any
 
@@ -36,7 +37,7 @@ def media_rows(value: Any) -> list[list[Any]]:
     offsets = list(value._row_offsets or [])
     indices = list(value._segment_indices or [])
     tensors = list(value.tensors)
-    return [[tensors[i] for i in indices[a:b]] for a, b in zip(offsets, offsets[1:])]
+    return [[tensors[i] for i in indices[a:b]] for a, b in itertools.pairwise(offsets)]
 
 
 def _tensor_list(value: Any) -> Any:
