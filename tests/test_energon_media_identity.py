@@ -242,3 +242,22 @@ def test_content_identity_shares_equal_bytes_across_stores(two_stores: Any) -> N
     assert wrong == 0
     # a's img_0000.png and b's copy.png are the same bytes: one stored picture for both
     assert len(pack.media["pixel_values"].tensors) == 2
+
+
+def test_free_form_identity_is_deprecated_and_kept_apart_from_sources() -> None:
+    from mmpack.energon import MediaHandle
+    from mmpack.energon.media import webdataset_source
+
+    with pytest.warns(DeprecationWarning, match=r"identity=.*deprecated; pass source="):
+        old = MediaHandle(
+            kind="image", key="a.png", identity="s/k/a.png", sample_key="k", data=b"x"
+        )
+    assert old.identity == "s/k/a.png"
+    new = MediaHandle(
+        kind="image",
+        key="a.png",
+        source=webdataset_source("", "s", "k", "a.png"),
+        sample_key="k",
+        data=b"x",
+    )
+    assert old.provenance != new.provenance

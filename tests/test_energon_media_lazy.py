@@ -41,9 +41,12 @@ SAMPLES = {
 }
 
 
-def sample(key: str, ending: str) -> tuple[str, list[tuple[str, bytes]]]:
+def sample(key: str, side: int, ending: str, declared: bool) -> tuple[str, list[Any]]:
+    image: dict[str, Any] = {"media": f"{key}.png"}
+    if declared:
+        image.update(width=side, height=side)
     turns: list[dict[str, Any]] = [
-        {"role": "user", "fragments": [{"media": f"{key}.png"}, {"text": "kaka"}]},
+        {"role": "user", "fragments": [image, {"text": "kaka"}]},
         {"role": "assistant", "fragments": [{"text": "lolo", "trainable": True}]},
     ]
     if ending == "question":
@@ -52,22 +55,24 @@ def sample(key: str, ending: str) -> tuple[str, list[tuple[str, bytes]]]:
 
 
 @pytest.fixture(scope="module")
-def dataset(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
-    root = tmp_path_factory.mktemp("lazy")
-    store = root / "media"
+def store(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    store = tmp_path_factory.mktemp("lazy") / "media"
     store.mkdir()
     for i, (key, (side, _)) in enumerate(SAMPLES.items()):
         (store / f"{key}.png").write_bytes(png_bytes(side, side, seed=i))
-    write_webdataset(root / "fragments", [sample(k, e) for k, (_, e) in SAMPLES.items()])
+    return store
+
+
+@pytest.mark.parametrize("declared", [False, True], ids=["size-from-header", "size-declared"])
+def test_skipped_and_over_budget_samples_read_no_media_bytes(store: Path, declared: bool) -> None:
+    root = store.parent / ("declared" if declared else "undeclared")
+    write_webdataset(
+        root / "fragments", [sample(k, s, e, declared) for k, (s, e) in SAMPLES.items()]
+    )
     metadataset = write_metadataset(
         root / "blend.yaml",
-        [{"path": "fragments", "subflavors": {"mmpack_format": "fragments"}, "media": "media"}],
+        [{"path": "fragments", "subflavors": {"mmpack_format": "fragments"}, "media": str(store)}],
     )
-    return metadataset, store
-
-
-def test_skipped_and_over_budget_samples_read_no_media_bytes(dataset: Any) -> None:
-    metadataset, store = dataset
     config = PackingEncoderConfig(
         capacity=512,
         packing_buffer_size=16,
@@ -108,6 +113,9 @@ def test_skipped_and_over_budget_samples_read_no_media_bytes(dataset: Any) -> No
     assert sorted(MEDIA_LOG.reads) == [item(k) for k in packed]
     assert sorted(MEDIA_LOG.decodes) == [item(k) for k in packed]
     assert MEDIA_LOG.bytes_read == sum(file_size(k) for k in packed)
+    if declared:  # the fragments give the sizes: not even a header is read before selection
+        assert MEDIA_LOG.header_reads == [] and MEDIA_LOG.header_bytes == 0
+        return
     # header reads: the samples that were encoded (packed or over budget), never the ones
     # skipped before encoding
     encoded = [k for k in SAMPLES if not k.startswith("ends-on-user")]

@@ -35,6 +35,7 @@ import dataclasses
 import hashlib
 import io
 import math
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -124,7 +125,9 @@ class MediaHandle:
     (an Energon `FileStore`, read only when needed).
 
     `source`: where the item is (`webdataset_source` / `store_source`); its provenance and
-    display `identity` derive from it."""
+    display `identity` derive from it. (``identity=`` , a free-form name, is the deprecated
+    spelling: it names nothing about where the item is, so two cookers can give two different
+    items the same one; it will be removed in the next release.)"""
 
     __slots__ = ("_data", "_store", "identity", "key", "kind", "meta", "sample_key", "source")
 
@@ -133,15 +136,32 @@ class MediaHandle:
         *,
         kind: str,
         key: str,
-        source: tuple[str, ...],
         sample_key: str,
+        source: tuple[str, ...] | None = None,
         data: bytes | None = None,
         store: Any = None,
         meta: dict[str, Any] | None = None,
+        identity: str | None = None,
     ) -> None:
         if (data is None) == (store is None):
             raise SampleFormatError(
                 f"sample {sample_key!r}: media {key!r} needs exactly one of bytes or a store"
+            )
+        if identity is not None:
+            warnings.warn(
+                "MediaHandle(identity=...) is deprecated; pass source=webdataset_source(...) or "
+                "store_source(...), naming where the item is, so that items from different "
+                "datasets or stores never share provenance. identity= will be removed in the "
+                "next release",
+                DeprecationWarning,
+                stacklevel=2,
+            )
+            if source is None:
+                source = ("identity", identity)
+        if source is None:
+            raise SampleFormatError(
+                f"sample {sample_key!r}: media {key!r} needs its source (webdataset_source or "
+                "store_source)"
             )
         self.kind = kind
         self.key = key
