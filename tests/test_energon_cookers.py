@@ -153,13 +153,16 @@ def test_fragments_cooker_reads_the_store_only_when_decoding(
     enc = encoder(tokenizer, capacity=256, loss_mask_mode="precomputed")
     conv = cook_fragments(raw("f1", obj), media=media_store)
     assert MEDIA_LOG.reads == []
-    encoded = enc.preencode_sample(conv)  # sizes come from the header: one read, no decode
-    assert MEDIA_LOG.decodes == []
+    encoded = enc.preencode_sample(conv)  # sizes come from the header: no full read
+    big = f"{media_store.get_path()}/big.png"
+    assert MEDIA_LOG.decodes == [] and MEDIA_LOG.reads == []
+    assert MEDIA_LOG.header_reads == [big, big]
+    assert 0 < MEDIA_LOG.header_bytes < len(png(48, 32))
     # role/end markers follow the message's fragments; the reasoning fragment is not trained
     assert encoded.loss_mask.tolist()[-4:] == [1, 0, 1, 1]
     decoded = enc.postencode_sample(encoded)
     value = decoded.decoded_media["pixel_values"]
-    assert MEDIA_LOG.decodes == ["media-store/big.png"]  # referenced twice, decoded once
+    assert MEDIA_LOG.decodes == [big] and MEDIA_LOG.reads == [big]  # referenced twice, once
     assert len(value.tensors) == 1 and value._segment_indices == [0, 0]
 
 

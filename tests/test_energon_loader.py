@@ -199,9 +199,8 @@ def test_media_is_decoded_only_for_packed_samples(dataset: Any, tokenizer: Any) 
     # nothing of a skipped or broken sample, and no unused manifest entry, was decoded
     assert not any("unused.png" in d for d in decoded)
     not_packed = set(dataset.expected) - packed
-    assert not any(
-        d.split("/")[1] in not_packed for d in decoded if d.startswith(("shard", "generic"))
-    )
+    generic = f"{dataset.root / 'generic'}/"
+    assert not any(d.split("/")[-2] in not_packed for d in decoded if d.startswith(generic))
 
 
 def _media_identities(dataset: Any, key: str) -> list[str]:
@@ -219,9 +218,10 @@ def _media_identities(dataset: Any, key: str) -> list[str]:
             obj = json.loads(member.read())
             if fmt == "generic":
                 n = sum(m["content"].count("<image>") for m in obj["messages"])
-                return [f"{shard.name}/{key}/{e['name']}" for e in obj["media"][:n]]
+                where = f"{dataset.root / fmt}/{shard.name}/{key}"
+                return [f"{where}/{e['name']}" for e in obj["media"][:n]]
             refs = {f["media"] for t in obj["conversation"] for f in t["fragments"] if "media" in f}
-            return [f"media-store/{r}" for r in refs]
+            return [f"{dataset.root / 'media'}/{r}" for r in refs]
     raise AssertionError(f"{key} not found")
 
 

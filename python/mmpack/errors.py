@@ -116,6 +116,19 @@ class SampleFormatError(EnergonDataError):
     manifest entry, a missing media key); the message names the sample."""
 
 
+class MediaTokenCountError(EnergonDataError):
+    """A decoded media item takes a different number of tokens than the sample was encoded
+    with (its manifest or fragment metadata declares a wrong size or duration). The message
+    names the sample, the item and both counts; the sample is counted as failed, never packed
+    with its media shifted against its placeholder tokens."""
+
+
+class UndeclaredModalityError(EnergonDataError):
+    """A sample holds media of a kind the encoder's config does not declare in ``modalities``.
+    The message names the kind and the setting to change (``modalities``, or
+    ``on_undeclared_media: skip`` to skip and count such samples instead)."""
+
+
 class TooManySkippedError(EnergonDataError):
     """Too many consecutive samples were skipped by policy. Energon waits forever when every
     sample is skipped, so the encoder stops the job instead; the message gives counts per reason."""
@@ -178,9 +191,11 @@ __all__ = [
     # --- energon (pure Python) ---
     "EnergonConfigError",
     "EnergonDataError",
+    "MediaTokenCountError",
     "ModalityConfigError",
     "SampleFormatError",
     "TooManySkippedError",
+    "UndeclaredModalityError",
     # --- compat (pure Python) ---
     "CorruptPickleError",
     "PickleSecurityError",

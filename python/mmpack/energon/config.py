@@ -26,6 +26,8 @@ __all__ = ["RENAMED_FIELDS", "RETIRED_FIELDS", "PackingEncoderConfig"]
 
 LOSS_MASK_MODES = (None, "precomputed")
 OVERSIZE_POLICIES = ("skip", "error")
+UNDECLARED_MEDIA_POLICIES = ("error", "skip")
+MEDIA_IDENTITIES = ("source", "content")
 KNOWN_MODALITIES = ("image", "audio")
 
 #: Retired field name -> what to use instead.
@@ -80,6 +82,13 @@ class PackingEncoderConfig:
             job with `TooManySkippedError`. Must be >= 1.
         modalities: media kinds the run needs; each is validated against the processor at
             construction.
+        on_undeclared_media: what a sample holding media of a kind not in ``modalities`` does:
+            ``"error"`` stops the job at the first such sample with an error naming the kind;
+            ``"skip"`` skips such samples, counted under ``undeclared_modality``.
+        media_identity: what media provenance (deduplication within a pack) derives from:
+            ``"source"`` (where the item is: dataset path, shard, key and member, or media
+            store path and key) or ``"content"`` (a hash of the item's bytes, so equal bytes
+            share one stored segment wherever they come from).
         batch_size: packs per batch.
         pad_token_id / pad_to_multiple_of / ignore_index / cp_size: passed to
             `mmpack.batch.pack_samples`.
@@ -96,6 +105,8 @@ class PackingEncoderConfig:
     failure_tolerance: int = 100
     max_consecutive_skips: int = 1000
     modalities: tuple[str, ...] = ("image",)
+    on_undeclared_media: str = "error"
+    media_identity: str = "source"
     batch_size: int = 1
     pad_token_id: int = 0
     pad_to_multiple_of: int = 1
@@ -135,6 +146,16 @@ class PackingEncoderConfig:
         if self.on_oversize not in OVERSIZE_POLICIES:
             raise EnergonConfigError(
                 f"on_oversize must be one of {OVERSIZE_POLICIES}, got {self.on_oversize!r}"
+            )
+        if self.on_undeclared_media not in UNDECLARED_MEDIA_POLICIES:
+            raise EnergonConfigError(
+                f"on_undeclared_media must be one of {UNDECLARED_MEDIA_POLICIES}, got "
+                f"{self.on_undeclared_media!r}"
+            )
+        if self.media_identity not in MEDIA_IDENTITIES:
+            raise EnergonConfigError(
+                f"media_identity must be one of {MEDIA_IDENTITIES} (provenance from where the "
+                f"item is, or from its bytes), got {self.media_identity!r}"
             )
         if not isinstance(self.algorithm, str) or not self.algorithm:
             raise EnergonConfigError(

@@ -85,6 +85,7 @@ def encode_conversation(
     message_lengths: list[int] = []
     message_roles: list[str] = []
     media: list[MediaHandle] = []
+    media_tokens: list[int] = []
     media_units = 0
     for turn in conversation.turns:
         role_token = ROLE_TOKENS.get(turn.role)
@@ -107,6 +108,7 @@ def encode_conversation(
                 frag_lengths.append(n)
                 frag_trainable.append(by_role if not flags else False)
                 media.append(part.media)
+                media_tokens.append(n)
                 media_units += n
             elif part.text:
                 toks = next(text_iter)
@@ -151,4 +153,5 @@ def encode_conversation(
         message_roles=message_roles,
         media=media,
         media_units=media_units,
+        media_tokens=media_tokens,
     )

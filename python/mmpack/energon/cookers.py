@@ -10,6 +10,10 @@
   ``{"media": KEY, "kind": ..., ...metadata}``, and KEY is looked up in a separate media store,
   the metadataset's auxiliary dataset ``media`` (e.g. ``aux: {media: filesystem://media}``).
 
+Media sources (see `mmpack.energon.media` for the identity rule): a generic item is named by
+its dataset's path (from the sample's Energon source info), shard, sample key and member; a
+fragments item by its media store's path and key.
+
 Cookers must be `@stateless` (Energon re-runs them on restore) and need the task encoder's
 ``decoder = None`` (raw bytes: decoding is ours, and lazy).
 """
@@ -22,7 +26,7 @@ from typing import Any
 
 from megatron.energon import Cooker, basic_sample_keys, stateless
 
-from mmpack.energon.media import MediaHandle
+from mmpack.energon.media import MediaHandle, store_path, store_source, webdataset_source
 from mmpack.energon.samples import Conversation, Part, Turn
 from mmpack.errors import SampleFormatError
 
@@ -51,6 +55,16 @@ def _load_json(raw: dict[str, Any]) -> dict[str, Any]:
     return obj
 
 
+def _dataset_path(raw: dict[str, Any]) -> str:
+    """The path of the dataset the raw sample was read from (Energon's source info; empty for
+    a sample built by hand, which has none)."""
+    for info in raw.get("__sources__") or ():
+        path = getattr(info, "dataset_path", None)
+        if path is not None:
+            return str(path)
+    return ""
+
+
 def _parts(raw: dict[str, Any]) -> list[str]:
     return sorted(k for k in raw if not k.startswith("__"))
 
@@ -67,6 +81,7 @@ def cook_generic(raw: dict[str, Any], **_aux: Any) -> Conversation:
     if not isinstance(manifest, list):
         raise SampleFormatError(f"sample {key!r}: 'media' must be a list")
     shard = str(raw.get("__shard__", ""))
+    dataset = _dataset_path(raw)
     next_media = 0
     turns = []
     for m_idx, message in enumerate(messages):
@@ -111,7 +126,7 @@ def cook_generic(raw: dict[str, Any], **_aux: Any) -> Conversation:
                     media=MediaHandle(
                         kind=kind,
                         key=name,
-                        identity=f"{shard}/{key}/{name}",
+                        source=webdataset_source(dataset, shard, key, name),
                         sample_key=key,
                         data=bytes(data),
                         meta=entry,
@@ -132,6 +147,7 @@ def cook_fragments(raw: dict[str, Any], *, media: Any = None, **_aux: Any) -> Co
     if not isinstance(conversation, list):
         raise SampleFormatError(f"sample {key!r}: 'conversation' must be a list")
     turns = []
+    store: str | None = None  # the media store's path, asked for at the first media fragment
     for t_idx, turn in enumerate(conversation):
         if not isinstance(turn, dict) or not isinstance(turn.get("role"), str):
             raise SampleFormatError(f"sample {key!r}: turn {t_idx} needs a string 'role'")
@@ -157,12 +173,21 @@ def cook_fragments(raw: dict[str, Any], *, media: Any = None, **_aux: Any) -> Co
                         "`aux: {media: ...}` to the metadataset entry)"
                     )
                 kind = frag.get("kind", "image")
+                if not isinstance(kind, str):
+                    raise SampleFormatError(
+                        f"sample {key!r}: fragment {t_idx}.{f_idx} media kind must be a string"
+                    )
+                if store is None:
+                    try:
+                        store = store_path(media)
+                    except SampleFormatError as err:
+                        raise SampleFormatError(f"sample {key!r}: {err}") from err
                 parts.append(
                     Part(
                         media=MediaHandle(
                             kind=kind,
                             key=mkey,
-                            identity=f"media-store/{mkey}",
+                            source=store_source(store, mkey),
                             sample_key=key,
                             store=media,
                             meta=frag,

@@ -1,10 +1,17 @@
 """What happens to bad samples and failing hooks, so that a broken dataset stops the job with a
 clear error instead of training on nothing or looping forever.
 
-* Policy skips (`check_sample`): a sample that is well-formed but useless or too big (no turns,
-  ends on a user turn, nothing trainable, longer than the capacity, more media than the media
-  capacity) raises Energon's ``SkipSample`` and is counted per reason. Malformed samples raise
-  typed errors (`SampleFormatError`, `LossMaskError`), which Energon's failure tolerance handles.
+* Policy skips: a sample that is well-formed but useless or too big raises Energon's
+  ``SkipSample`` and is counted per reason. `check_conversation` runs before the sample is
+  encoded (so it reads no media, not even a header): no turns, ends on a user turn.
+  `check_sample` runs on the encoded sample: nothing trainable, longer than the capacity, more
+  media than the media capacity. Malformed samples raise typed errors (`SampleFormatError`,
+  `LossMaskError`), which Energon's failure tolerance handles.
+* Undeclared modalities (`check_conversation`): media of a kind the config does not declare in
+  ``modalities`` stops the job at the first such sample (`UndeclaredModalityError`, raised as
+  Energon's ``FatalSampleError``), naming the kind and the setting to change; with
+  ``on_undeclared_media: skip`` such samples are skipped and counted instead. (Otherwise every
+  such sample would fail on its own, and a job mixing them with good samples would never stop.)
 * Consecutive skips (`ConsecutiveSkipGuard`): Energon never counts ``SkipSample`` and waits
   forever when every sample is skipped, so ``max_consecutive_skips`` skips in a row (per worker)
   stop the job with a `FatalSampleError` that says why.
@@ -24,12 +31,23 @@ from megatron.energon.errors import FatalSampleError
 from megatron.energon.task_encoder.base import get_failure_tolerance, get_stateless
 
 from mmpack import masks
-from mmpack.energon.config import PackingEncoderConfig
+from mmpack.energon.config import KNOWN_MODALITIES, PackingEncoderConfig
 from mmpack.energon.samples import Conversation, EncodedConversation
 from mmpack.energon.stats import LoaderStats
-from mmpack.errors import EnergonConfigError, SampleFormatError, TooManySkippedError
+from mmpack.errors import (
+    EnergonConfigError,
+    SampleFormatError,
+    TooManySkippedError,
+    UndeclaredModalityError,
+)
 
-__all__ = ["ConsecutiveSkipGuard", "check_hooks", "check_sample", "stateless_with_tolerance"]
+__all__ = [
+    "ConsecutiveSkipGuard",
+    "check_conversation",
+    "check_hooks",
+    "check_sample",
+    "stateless_with_tolerance",
+]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -131,25 +149,67 @@ class ConsecutiveSkipGuard:
         self.in_a_row.clear()
 
 
+def check_conversation(
+    config: PackingEncoderConfig, conversation: Conversation, skip: SkipFn
+) -> None:
+    """Checks of a cooked conversation, before it is encoded (nothing of its media is read):
+    media of an undeclared kind stops the job (or ``skip(...)`` under
+    ``on_undeclared_media="skip"``); no turns or a last turn that is not trained on raise
+    ``skip(...)``."""
+    for turn in conversation.turns:
+        for part in turn.parts:
+            if part.media is not None and part.media.kind not in config.modalities:
+                _undeclared(config, conversation, part.media.kind, part.media.key, skip)
+    roles = [t.role for t in conversation.turns if t.role != "system"]
+    if not roles:
+        raise skip(conversation, "no_turns", "the conversation has no user/assistant turns")
+    if roles[-1] not in config.train_roles:
+        raise skip(
+            conversation,
+            "ends_on_user_turn",
+            f"the conversation ends on a {roles[-1]!r} turn, with no answer to train on",
+        )
+
+
+def _undeclared(
+    config: PackingEncoderConfig, conversation: Conversation, kind: str, key: str, skip: SkipFn
+) -> None:
+    declared = list(config.modalities)
+    if config.on_undeclared_media == "skip":
+        raise skip(
+            conversation,
+            "undeclared_modality",
+            f"{kind} media {key!r}, but modalities is {declared}",
+        )
+    where = f"sample {conversation.__key__!r} holds {kind} media {key!r}"
+    skip_hint = "or set on_undeclared_media: skip to skip and count such samples"
+    if kind in KNOWN_MODALITIES:
+        message = (
+            f"{where}, but the encoder's config declares modalities {declared}: add {kind!r} "
+            f"to modalities (with the processor's {kind} settings) to train on it, {skip_hint}"
+        )
+    else:
+        message = (
+            f"{where}, a kind mmpack does not support (modalities can be "
+            f"{', '.join(KNOWN_MODALITIES)}): fix the kind in the data, {skip_hint}"
+        )
+    err = UndeclaredModalityError(message)
+    # a system exception for Energon: the job stops here instead of failing such samples one
+    # by one (which never stops while good samples come in between)
+    raise FatalSampleError(str(err)) from err
+
+
 def check_sample(
     config: PackingEncoderConfig,
     conversation: Conversation,
     encoded: EncodedConversation,
     skip: SkipFn,
 ) -> None:
-    """Raise ``skip(...)`` for a sample that is bad by policy, `SampleFormatError` for one that
-    is too big under ``on_oversize="error"``, or `LossMaskError` for a bad precomputed mask."""
+    """Raise ``skip(...)`` for an encoded sample that is bad by policy, `SampleFormatError` for
+    one that is too big under ``on_oversize="error"``, or `LossMaskError` for a bad precomputed
+    mask. (`check_conversation` has already checked the conversation's structure.)"""
     key = conversation.__key__
     train_roles = config.train_roles
-    roles = [t.role for t in conversation.turns if t.role != "system"]
-    if not roles:
-        raise skip(conversation, "no_turns", "the conversation has no user/assistant turns")
-    if roles[-1] not in train_roles:
-        raise skip(
-            conversation,
-            "ends_on_user_turn",
-            f"the conversation ends on a {roles[-1]!r} turn, with no answer to train on",
-        )
     if encoded.loss_mask is not None:
         # checked here, per sample: a bad mask found by the batch builder would fail the
         # whole pack it was selected into

@@ -50,6 +50,9 @@ class EncodedConversation(Sample):
     message_roles: list[str] | None
     media: list[MediaHandle]
     media_units: int
+    #: tokens each item of `media` was encoded with (its placeholder expansion), which the
+    #: decoded item must take too; None: recounted from each item's metadata or header
+    media_tokens: list[int] | None = None
     #: filled by postencode_sample: {"pixel_values": PackedTensor (one row)}, or None
     decoded_media: dict[str, Any] | None = None
 

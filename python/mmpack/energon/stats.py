@@ -8,6 +8,10 @@ happen, so they live in a fixed table of ``FAILURE_SLOTS`` (name, count) slots c
 use, under the counters' lock. Past ``FAILURE_SLOTS - 1`` distinct types the rest are counted
 under ``"<other>"``, so the total stays exact.
 
+Each data-parallel rank has its own encoder and counters; `LoaderStats.global_snapshot` sums
+them over the ranks of ``torch.distributed`` (`combine_snapshots` sums snapshots given by hand),
+so "samples in = packed + skipped + failed" can be checked for the whole job.
+
 The counters are statistics of one loader run, not training state, so they are not part of a
 loader checkpoint. "Samples in = packed + skipped + failed" holds for a run that drains its
 buffers (an epoch, the demo). A run restored from a checkpoint starts from zero and re-reads the
@@ -20,10 +24,10 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
-__all__ = ["FAILURE_SLOTS", "SKIP_REASONS", "LoaderStats"]
+__all__ = ["FAILURE_SLOTS", "SKIP_REASONS", "LoaderStats", "combine_snapshots"]
 
 logger = logging.getLogger("mmpack.energon")
 
@@ -34,6 +38,7 @@ SKIP_REASONS = (
     "no_turns",
     "oversize",
     "media_over_budget",
+    "undeclared_modality",
 )
 _OTHER = (
     "seen",
@@ -117,6 +122,19 @@ class LoaderStats:
         out["failed"] = sum(failed.values())
         return out
 
+    def global_snapshot(self, group: Any = None) -> dict[str, Any]:
+        """`snapshot` summed over every rank of the ``torch.distributed`` process `group`
+        (default: the world). A collective: every rank of the group must call it. Without an
+        initialized process group, this rank's own snapshot."""
+        import torch.distributed as dist
+
+        local = self.snapshot()
+        if not (dist.is_available() and dist.is_initialized()):
+            return local
+        gathered: list[Any] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(gathered, local, group=group)
+        return combine_snapshots(gathered)
+
     def error_handler(
         self, inner: Callable[[Exception, Any, Any], None] | None = None
     ) -> Callable[[Exception, Any, Any], None]:
@@ -136,6 +154,25 @@ class LoaderStats:
                 inner(err, sample, sources)
 
         return handler
+
+
+def combine_snapshots(snapshots: Iterable[dict[str, Any]]) -> dict[str, Any]:
+    """The sum of `LoaderStats.snapshot` results (of several ranks): counts add, per-reason
+    skips and failures add by reason (failure reasons in order of first appearance)."""
+    out: dict[str, Any] = {name: 0 for name in _OTHER}
+    out["skipped"] = dict.fromkeys(SKIP_REASONS, 0)
+    failed: dict[str, int] = {}
+    for snap in snapshots:
+        for name in _OTHER:
+            out[name] += int(snap.get(name, 0))
+        for reason, n in snap.get("skipped", {}).items():
+            out["skipped"][reason] = out["skipped"].get(reason, 0) + int(n)
+        for reason, n in snap.get("failed_by_reason", {}).items():
+            failed[reason] = failed.get(reason, 0) + int(n)
+    out["skipped_total"] = sum(out["skipped"].values())
+    out["failed_by_reason"] = failed
+    out["failed"] = sum(failed.values())
+    return out
 
 
 def _slot_name(names: bytes, slot: int) -> bytes:

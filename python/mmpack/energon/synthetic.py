@@ -3,6 +3,10 @@ prepared with Energon, plus a tiny word-level tokenizer built in code (nothing i
 
 Used by `mmpack demo` and the tests. Every sample's fate is known in advance (`expected`):
 ``"ok"``, ``"skip:<reason>"`` or ``"broken:<where>"``.
+
+The building blocks are public for datasets made to measure: `write_webdataset` (samples given
+as parts, written as shards and prepared), `write_metadataset` (a blend of prepared datasets,
+with subflavors and media stores), `png_bytes` and `wav_bytes` (real media files).
 """
 
 from __future__ import annotations
@@ -11,13 +15,22 @@ import dataclasses
 import io
 import json
 import tarfile
-from collections.abc import Sequence
+import wave
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-__all__ = ["SyntheticDataset", "build_tokenizer", "write_synthetic_dataset"]
+__all__ = [
+    "SyntheticDataset",
+    "build_tokenizer",
+    "png_bytes",
+    "wav_bytes",
+    "write_metadataset",
+    "write_synthetic_dataset",
+    "write_webdataset",
+]
 
 _SYLLABLES = [
     "ka", "lo", "mi", "ne", "su", "ta", "ri", "po", "ve", "do",
@@ -83,6 +96,93 @@ def _png(rng: np.random.Generator, width: int, height: int) -> bytes:
     return buf.getvalue()
 
 
+def png_bytes(width: int, height: int, *, seed: int = 0) -> bytes:
+    """A PNG of `width` x `height` pixels whose content depends on `seed`."""
+    return _png(np.random.default_rng(seed), width, height)
+
+
+def wav_bytes(seconds: float, rate: int = 16000, *, freq: float = 440.0) -> bytes:
+    """A mono 16-bit PCM WAV file: a sine of `freq` Hz, ``round(seconds * rate)`` frames."""
+    frames = round(seconds * rate)
+    t = np.arange(frames, dtype=np.float64) / rate
+    pcm = (0.4 * 32767 * np.sin(2 * np.pi * freq * t)).astype("<i2")
+    buf = io.BytesIO()
+    with wave.open(buf, "wb") as out:
+        out.setnchannels(1)
+        out.setsampwidth(2)
+        out.setframerate(rate)
+        out.writeframes(pcm.tobytes())
+    return buf.getvalue()
+
+
+def write_webdataset(
+    path: str | Path,
+    samples: Sequence[tuple[str, Sequence[tuple[str, bytes]]]],
+    *,
+    shards: int = 1,
+) -> Path:
+    """Write `samples` (``(key, [(suffix, bytes), ...])``, stored as ``<key>.<suffix>``) in
+    order over `shards` tar shards ``shard-0000.tar`` ... under `path`, and prepare them as an
+    Energon ``CrudeWebdataset`` (train split only)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    names = []
+    for shard in range(shards):
+        name = f"shard-{shard:04d}.tar"
+        names.append(name)
+        lo, hi = shard * len(samples) // shards, (shard + 1) * len(samples) // shards
+        with tarfile.open(path / name, "w") as tar:
+            for key, parts in samples[lo:hi]:
+                for suffix, data in parts:
+                    _put(tar, f"{key}.{suffix}", data)
+    _prepare(path, names)
+    return path
+
+
+def _prepare(path: Path, shard_names: list[str]) -> None:
+    from megatron.energon.flavors import BaseWebdatasetFactory
+
+    BaseWebdatasetFactory.prepare_dataset(
+        path,
+        shard_names,
+        split_parts_ratio=[("train", 1.0), ("val", 0.0), ("test", 0.0)],
+        shuffle_seed=None,
+        workers=1,
+    )
+    (path / ".nv-meta" / "dataset.yaml").write_text(
+        "__module__: megatron.energon\n__class__: CrudeWebdataset\n"
+    )
+
+
+def write_metadataset(path: str | Path, entries: Sequence[Mapping[str, Any]]) -> Path:
+    """Write a ``MetadatasetV2`` at `path` blending `entries` (``blend_epochized``). Each entry
+    has ``path`` (a prepared dataset, relative to the metadataset's folder or absolute) and
+    optionally ``subflavors`` (a mapping, e.g. ``{"mmpack_format": "fragments"}``),
+    ``repetitions`` (default 1) and ``media`` (a media store folder, the ``aux: media`` of the
+    fragments format)."""
+    lines = [
+        "__module__: megatron.energon",
+        "__class__: MetadatasetV2",
+        "splits:",
+        "  train:",
+        "    blend_epochized:",
+    ]
+    for entry in entries:
+        lines += [
+            f"      - repetitions: {int(entry.get('repetitions', 1))}",
+            f"        path: {entry['path']}",
+        ]
+        subflavors = entry.get("subflavors")
+        if subflavors:
+            inner = ", ".join(f"{k}: {v}" for k, v in subflavors.items())
+            lines.append(f"        subflavors: {{{inner}}}")
+        if entry.get("media") is not None:
+            lines += ["        aux:", f"          media: filesystem://{entry['media']}"]
+    path = Path(path)
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
 def _text(rng: np.random.Generator, n_words: int) -> str:
     return " ".join(WORDS[i] for i in rng.integers(0, len(WORDS), size=max(1, n_words)))
 
@@ -128,8 +228,6 @@ def write_synthetic_dataset(
     one in `skip_every` is skippable by policy (ends on a user turn, nothing trainable, longer
     than `capacity`). ``all_fates="broken"`` / ``"skip"`` makes every sample so.
     """
-    from megatron.energon.flavors import BaseWebdatasetFactory
-
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(seed)
@@ -185,34 +283,19 @@ def write_synthetic_dataset(
                     expected[key] = outcome
                     for suffix, data in files:
                         _put(tar, f"{key}.{suffix}", data)
-        BaseWebdatasetFactory.prepare_dataset(
-            fdir,
-            shard_names,
-            split_parts_ratio=[("train", 1.0), ("val", 0.0), ("test", 0.0)],
-            shuffle_seed=None,
-            workers=1,
-        )
-        (fdir / ".nv-meta" / "dataset.yaml").write_text(
-            "__module__: megatron.energon\n__class__: CrudeWebdataset\n"
-        )
+        _prepare(fdir, shard_names)
 
-    lines = [
-        "__module__: megatron.energon",
-        "__class__: MetadatasetV2",
-        "splits:",
-        "  train:",
-        "    blend_epochized:",
-    ]
-    for fmt in formats:
-        lines += [
-            "      - repetitions: 1",
-            f"        path: {fmt}",
-            f"        subflavors: {{mmpack_format: {fmt}}}",
-        ]
-        if fmt == "fragments":
-            lines += ["        aux:", "          media: filesystem://media"]
-    metadataset = root / "metadataset.yaml"
-    metadataset.write_text("\n".join(lines) + "\n")
+    metadataset = write_metadataset(
+        root / "metadataset.yaml",
+        [
+            {
+                "path": fmt,
+                "subflavors": {"mmpack_format": fmt},
+                "media": "media" if fmt == "fragments" else None,
+            }
+            for fmt in formats
+        ],
+    )
     return SyntheticDataset(root, metadataset, expected, formats, len(pool_sizes))
 
 

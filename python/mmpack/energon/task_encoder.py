@@ -1,10 +1,12 @@
 """`PackingTaskEncoder`: an Energon task encoder that packs with `mmpack.packing` and builds THD
 batches with `mmpack.batch.pack_samples`.
 
-Pipeline per worker (Energon 7.4): cooker (lazy `Conversation`) -> ``preencode_sample`` (tokens,
-mask inputs, policy checks; users override `encode_conversation`) -> ``select_samples_to_pack``
+Pipeline per worker (Energon 7.4): cooker (lazy `Conversation`) -> ``preencode_sample`` (checks
+that read no media: undeclared modalities, turn structure; then tokens, mask inputs and the
+remaining policy checks; users override `encode_conversation`) -> ``select_samples_to_pack``
 (every buffered sample lands in exactly one pack) -> ``postencode_sample`` (decodes the media of
-that selected sample only) -> ``pack_selected_samples`` (one `PackedBatch`) -> ``batch``.
+that selected sample only, and checks that each item takes the tokens it was encoded with) ->
+``pack_selected_samples`` (one `PackedBatch`) -> ``batch``.
 
 Checkpointing: every hook Energon re-runs on restore is ``@stateless``; randomness may only come
 from ``@stateless(restore_seeds=True)`` (``select_samples_to_pack`` derives the packer's seed from
@@ -32,13 +34,18 @@ from mmpack.batch import EncodedSample, PackedBatch, pack_samples
 from mmpack.energon import conversation as markup
 from mmpack.energon.config import PackingEncoderConfig
 from mmpack.energon.cookers import default_cookers
-from mmpack.energon.media import MEDIA_KEYS
+from mmpack.energon.media import MEDIA_KEYS, MediaHandle
 from mmpack.energon.padded_batch import build_padded
-from mmpack.energon.policy import ConsecutiveSkipGuard, check_hooks, check_sample
+from mmpack.energon.policy import (
+    ConsecutiveSkipGuard,
+    check_conversation,
+    check_hooks,
+    check_sample,
+)
 from mmpack.energon.samples import Conversation, EncodedConversation, SftBatch, SftPack
 from mmpack.energon.stats import LoaderStats
 from mmpack.energon.validation import check_optional_dependencies, resolve_media_settings
-from mmpack.errors import EnergonConfigError
+from mmpack.errors import EnergonConfigError, MediaTokenCountError, UndeclaredModalityError
 from mmpack.packing import pack
 
 __all__ = ["PackingTaskEncoder"]
@@ -171,6 +178,12 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
         `FatalSampleError` when ``max_consecutive_skips`` samples in a row were skipped."""
         return self._skip_guard.skip(sample, reason, detail)
 
+    def check_conversation(self, conversation: Conversation) -> None:
+        """Checks before encoding, which read no media: media of an undeclared kind stops the
+        job (or is skipped, ``on_undeclared_media: skip``); no turns / ending on a user turn
+        raise `SkipSample` (counted per reason)."""
+        check_conversation(self.config, conversation, self._skip)
+
     def check_policy(self, conversation: Conversation, encoded: EncodedConversation) -> None:
         """Raise `SkipSample` (counted per reason) for samples that are bad by policy, or
         `SampleFormatError` / `LossMaskError` for malformed ones (a precomputed mask is validated
@@ -225,6 +238,7 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
     # 1 ms per sample in a CPU worker.)
     @stateless
     def preencode_sample(self, sample: Conversation) -> EncodedConversation:
+        self.check_conversation(sample)
         encoded = self.encode_conversation(sample)
         self.check_policy(sample, encoded)
         self._skip_guard.passed()
@@ -267,36 +281,62 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
             message_roles=sample.message_roles,
             media=sample.media,
             media_units=sample.media_units,
+            media_tokens=sample.media_tokens,
             decoded_media=decoded,
         )
 
     def decode_media(self, sample: EncodedConversation) -> dict[str, Any]:
         """One `PackedTensor` row per configured modality (empty row when the sample has none).
-        Each media item carries its provenance, so ``merge_segments`` stores a media item
-        referenced twice once; it is also decoded once."""
+        Each media item carries its provenance (from its source, or its bytes under
+        ``media_identity: content``), so ``merge_segments`` stores a media item referenced
+        twice once; it is also decoded once. Raises `MediaTokenCountError` when a decoded item
+        takes another number of tokens than the sample was encoded with."""
         cls = self.packed_tensor_type
+        by_content = self.config.media_identity == "content"
+        rows: dict[str, list[Any]] = {kind: [] for kind in self.config.modalities}
+        decoded: dict[bytes, Any] = {}
+        for index, handle in enumerate(sample.media):
+            items = rows.get(handle.kind)
+            if items is None:
+                raise UndeclaredModalityError(
+                    f"sample {sample.__key__!r}: {handle.kind} media {handle.key!r} reached "
+                    f"decoding, but modalities is {list(self.config.modalities)}"
+                )
+            provenance = handle.content_provenance() if by_content else handle.provenance
+            tensor = decoded.get(provenance)
+            if tensor is None:
+                tensor = decoded[provenance] = handle.decode(self.media_settings)
+            self._check_token_count(sample, index, handle, tensor)
+            items.append(cls([tensor], 0, _segment_provenance=[provenance]))
         out: dict[str, Any] = {}
-        decodes = 0
-        for kind in self.config.modalities:
-            decoded: dict[bytes, Any] = {}
-            items = []
-            for handle in sample.media:
-                if handle.kind != kind:
-                    continue
-                tensor = decoded.get(handle.provenance)
-                if tensor is None:
-                    tensor = decoded[handle.provenance] = handle.decode(self.media_settings)
-                    decodes += 1
-                items.append(cls([tensor], 0, _segment_provenance=[handle.provenance]))
+        for kind, items in rows.items():
             if items:
                 out[MEDIA_KEYS[kind]] = cls.merge_segments(items)
             else:
                 out[MEDIA_KEYS[kind]] = cls(
                     [], 0, _row_offsets=[0, 0], _segment_indices=[], _segment_provenance=[]
                 )
-        if decodes:
-            self.stats.add("decoded", decodes)
+        if decoded:
+            self.stats.add("decoded", len(decoded))
         return out
+
+    def _check_token_count(
+        self, sample: EncodedConversation, index: int, handle: MediaHandle, value: Any
+    ) -> None:
+        """The decoded item must take the tokens its placeholder was expanded to: a wrong
+        declared size would otherwise shift every later media item of the pack against its
+        tokens."""
+        settings = self.media_settings
+        counts = sample.media_tokens
+        encoded = counts[index] if counts is not None else handle.num_tokens(settings)
+        real = handle.decoded_tokens(value, settings)
+        if real != encoded:
+            raise MediaTokenCountError(
+                f"sample {sample.__key__!r}: {handle.kind} {handle.key!r} ({handle.identity}) "
+                f"decodes to {real} tokens, but the sample was encoded with {encoded} tokens "
+                f"for it ({_declared_size(handle)}); the sample is not packed. Fix the size "
+                "in the metadata, or leave it out so it is read from the file's header"
+            )
 
     def to_encoded_sample(self, sample: EncodedConversation) -> EncodedSample:
         """The `mmpack.batch.EncodedSample` of one (decoded) conversation."""
@@ -359,3 +399,12 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
             token_slots=int(padded["input_ids"].numel()),
             padded=padded,
         )
+
+
+def _declared_size(handle: MediaHandle) -> str:
+    meta = handle.meta
+    if handle.kind == "image" and "width" in meta and "height" in meta:
+        return f"declared {meta['width']}x{meta['height']}"
+    if handle.kind == "audio" and "duration" in meta:
+        return f"declared duration {meta['duration']!r} s"
+    return "size from the file's header"

@@ -7,12 +7,13 @@ any CI job, not only in a live loader worker."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterator
 from typing import Any
 
 from megatron.energon import WorkerConfig
 
-__all__ = ["active_worker", "batch_digest", "pack_digest"]
+__all__ = ["active_worker", "batch_digest", "media_rows", "pack_digest"]
 
 
 @contextlib.contextmanager
@@ -28,6 +29,15 @@ def active_worker(
         yield config
     finally:
         config.worker_deactivate()
+
+
+def media_rows(value: Any) -> list[list[Any]]:
+    """The media tensors of each row of a `PackedTensor` (one row per sample of a pack), in
+    the order the row references them (a deduplicated item appears once per reference)."""
+    offsets = list(value._row_offsets or [])
+    indices = list(value._segment_indices or [])
+    tensors = list(value.tensors)
+    return [[tensors[i] for i in indices[a:b]] for a, b in itertools.pairwise(offsets)]
 
 
 def _tensor_list(value: Any) -> Any:

@@ -35,7 +35,7 @@ _SETTINGS: dict[str, dict[str, tuple[str, tuple[str, ...]]]] = {
 #: modality -> (extra name, importable modules it needs)
 MODALITY_EXTRAS: dict[str, tuple[str, tuple[str, ...]]] = {
     "image": ("energon", ("PIL",)),
-    "audio": ("audio", ("librosa", "soxr")),
+    "audio": ("audio", ("librosa", "soxr", "soundfile")),
 }
 
 _SUB_OBJECTS = ("image_processor", "feature_extractor", "audio_processor")
