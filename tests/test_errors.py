@@ -48,6 +48,8 @@ AREA = {
     "ModalityConfigError": errors.EnergonDataError,
     "SampleFormatError": errors.EnergonDataError,
     "TooManySkippedError": errors.EnergonDataError,
+    "MediaTokenCountError": errors.EnergonDataError,
+    "UndeclaredModalityError": errors.EnergonDataError,
     "UnsafePickleError": errors.PickleSecurityError,
     "CorruptPickleError": errors.PickleSecurityError,
 }
