@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import mmpack
 import numpy as np
 import torch
-from mmpack.demos.rl import expand_mmpack, expand_reference, make_images, per_prompt_values
+from mmpack.demos.rl import expand_mmpack, expand_by_deepcopy, make_images, per_prompt_values
 from reference.packed_tensor import PackedTensor as Ref
 
 MM: Any = mmpack.PackedTensor
@@ -110,14 +110,14 @@ def run(args: argparse.Namespace) -> list[Row]:
     images = make_images(args.prompts, patches=args.patches, dim=args.dim, seed=1)
     ref_prompts = per_prompt_values(Ref, images)
     mm_prompts = per_prompt_values(MM, images)
-    r_out = pipeline(Ref, ref_prompts, expand_reference)
+    r_out = pipeline(Ref, ref_prompts, expand_by_deepcopy)
     m_out = pipeline(MM, mm_prompts, expand_mmpack)
     assert r_out == m_out, "pipeline outputs differ between reference and mmpack"
     rows.append(
         Row(
             "a",
             f"whole pipeline, B={args.prompts} (expand G={G}, shard {DP}, pickle, concat, counts)",
-            median_ms(lambda: pipeline(Ref, ref_prompts, expand_reference), reps, warm),
+            median_ms(lambda: pipeline(Ref, ref_prompts, expand_by_deepcopy), reps, warm),
             median_ms(lambda: pipeline(MM, mm_prompts, expand_mmpack), reps, warm),
             20.0,
         )
@@ -126,7 +126,7 @@ def run(args: argparse.Namespace) -> list[Row]:
         Row(
             "a",
             f"  of which G-expansion (deepcopy+concat vs repeat_interleave), B={args.prompts}",
-            median_ms(lambda: expand_reference(Ref, ref_prompts, G), reps, warm),
+            median_ms(lambda: expand_by_deepcopy(Ref, ref_prompts, G), reps, warm),
             median_ms(lambda: expand_mmpack(MM, mm_prompts, G), reps, warm),
             None,
         )

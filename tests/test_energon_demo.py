@@ -58,7 +58,7 @@ def test_demo_runs_and_reports(tmp_path: Path, capsys: pytest.CaptureFixture[str
     png = out / "sft-demo.png"
     assert f"plot: {png}" in text and png.stat().st_size > 10_000
     summary = json.loads((tmp_path / "r.json").read_text())
-    assert summary["identical_to_reference"] and summary["accounting_balanced"]
+    assert summary["identical_to_compared"] and summary["accounting_balanced"]
     assert set(summary["pipelines"]) == {"mmpack packing", "reference packing", "no packing"}
     # the dataset is reused when the parameters match; without --compare-with nothing is compared
     rc = demo.main(["--samples", "150", "--workers", "0", "--repeats", "1", "--capacity", "1024",
@@ -68,7 +68,7 @@ def test_demo_runs_and_reports(tmp_path: Path, capsys: pytest.CaptureFixture[str
     assert rc == 0, text
     assert "-> balanced" in text and "reference" not in text
     alone = json.loads((tmp_path / "alone.json").read_text())
-    assert alone["identical_to_reference"] is None and alone["accounting_balanced"]
+    assert alone["identical_to_compared"] is None and alone["accounting_balanced"]
     assert set(alone["pipelines"]) == {"mmpack packing"}
 
 
@@ -85,7 +85,7 @@ def test_demo_finds_a_difference_from_the_compared_pipeline(
     text = capsys.readouterr().out
     assert rc == 1, text
     assert "mmpack packs == reference packs, sample for sample: False" in text
-    assert json.loads((tmp_path / "r.json").read_text())["identical_to_reference"] is False
+    assert json.loads((tmp_path / "r.json").read_text())["identical_to_compared"] is False
 
 
 def test_demo_rejects_bad_options(capsys: pytest.CaptureFixture[str]) -> None:
@@ -125,4 +125,4 @@ def test_bench_energon_quick_smoke(tmp_path: Path) -> None:
         check=False,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert json.loads((tmp_path / "b.json").read_text())["identical_to_reference"] is True
+    assert json.loads((tmp_path / "b.json").read_text())["identical_to_compared"] is True

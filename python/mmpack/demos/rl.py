@@ -35,7 +35,7 @@ from mmpack.demos.comparison import OPTION, import_comparison
 __all__ = [
     "StepTimes",
     "expand_mmpack",
-    "expand_reference",
+    "expand_by_deepcopy",
     "main",
     "make_images",
     "per_prompt_values",
@@ -70,7 +70,7 @@ def per_prompt_values(cls: Any, images: Sequence[Sequence[Any]]) -> list[Any]:
     ]
 
 
-def expand_reference(cls: Any, prompts: Sequence[Any], group: int) -> Any:
+def expand_by_deepcopy(cls: Any, prompts: Sequence[Any], group: int) -> Any:
     """NeMo-RL's G-expansion: every prompt deep-copied ``group`` times, then one ``concat``
     (which re-interns the copies by provenance)."""
     return cls.concat([copy.deepcopy(p) for p in prompts for _ in range(group)])
@@ -224,7 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     )  # fmt: skip
     sides: dict[str, tuple[Any, Callable[[Any, Sequence[Any], int], Any]]] = {}
     if compared is not None:
-        sides["reference"] = (compared, expand_reference)
+        sides["reference"] = (compared, expand_by_deepcopy)
     sides["mmpack"] = (mmpack.PackedTensor, expand_mmpack)
     results: dict[str, StepTimes] = {}
     for name, (cls, expand) in sides.items():

@@ -529,7 +529,7 @@ def main(argv: list[str]) -> int:
         summary = {
             "settings": {k: v for k, v in vars(args).items() if k != "json"},
             # null when no --compare-with pipeline ran
-            "identical_to_reference": identical,
+            "identical_to_compared": identical,
             "accounting_balanced": ok,
             "stats": mm.stats,
             "dedup_ratio": mm.dedup_ratio,
