@@ -10,7 +10,7 @@ Rows (median wall time over the repeats, same inputs on both sides):
 * ``masks.validate`` of a 1M-token mask (int64, uint8 and bool torch tensors, all valid, so
   every value is read; a bool mask cannot hold a bad value, so only its length is checked).
   Reference: elementwise torch checks with the first bad position
-  (``mmpack._reference.masks.validate``).
+  (``tests/reference/masks.py``, ``validate``).
 
 torch runs on one thread by default (``--torch-threads``): on the shared 2-core machine its
 multi-threaded kernels were 3-40x *slower* under load, so one thread is the faster and steadier
