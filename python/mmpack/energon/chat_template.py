@@ -1,8 +1,9 @@
 """Conversations encoded with the tokenizer's own chat template (``apply_chat_template``).
 
 A cooked `Conversation` becomes Hugging Face messages (text parts as ``{"type": "text"}``
-items, media parts as ``{"type": "image" | "video" | "audio"}`` items; a turn without media
-has a plain string ``content``), rendered by the tokenizer's template and tokenized as
+items, media parts as ``{"type": "image" | "video" | "audio"}`` items; with a model's
+processor every content is such a list, otherwise a turn without media has a plain string
+``content``), rendered by the tokenizer's template and tokenized as
 ``apply_chat_template(..., tokenize=True)`` does. Each media item's placeholder token (the one
 the template renders for it, e.g. Qwen2-VL's ``<|image_pad|>``) is then replaced by its
 expansion: what the model's processor puts there for that item, with the token count from the
@@ -64,11 +65,13 @@ class TemplateMedia:
 
     ``placeholder_ids``: media kind -> id of the token the template renders once per item of
     that kind. ``count``: tokens an item takes, before decoding. ``expansion``: the token ids
-    that replace the placeholder for an item of `kind` taking `n` tokens."""
+    that replace the placeholder for an item of `kind` taking `n` tokens. ``list_content``:
+    every message's content is a list of typed items (multimodal templates), not a string."""
 
     placeholder_ids: Mapping[str, int]
     count: Callable[[MediaHandle], int]
     expansion: Callable[[str, int], list[int]]
+    list_content: bool = False
 
 
 def markup_media(tokenizer: Any, settings: MediaSettings, modalities: Sequence[str]) -> TemplateMedia:
@@ -107,11 +110,13 @@ def has_generation_markers(tokenizer: Any) -> bool:
     return isinstance(template, str) and bool(_GENERATION_TAG.search(template))
 
 
-def hf_messages(conversation: Conversation) -> list[dict[str, Any]]:
-    """The conversation as Hugging Face chat messages (see the module docstring)."""
+def hf_messages(conversation: Conversation, *, list_content: bool = False) -> list[dict[str, Any]]:
+    """The conversation as Hugging Face chat messages (see the module docstring); with
+    `list_content` every message's content is a list of items (what multimodal templates
+    expect), else a turn without media has a plain string."""
     messages: list[dict[str, Any]] = []
     for turn in conversation.turns:
-        if all(p.media is None for p in turn.parts):
+        if not list_content and all(p.media is None for p in turn.parts):
             messages.append(
                 {"role": turn.role, "content": "".join(p.text or "" for p in turn.parts)}
             )
@@ -198,7 +203,7 @@ def encode_with_chat_template(
     turns = conversation.turns
     if not turns:
         raise SampleFormatError(f"sample {key!r} has no turns")
-    messages = hf_messages(conversation)
+    messages = hf_messages(conversation, list_content=media.list_content)
     bounds = _message_bounds(tokenizer, messages, key)
     full = _render(tokenizer, messages, key)
     encoding = _fast_backend(tokenizer).encode(full, add_special_tokens=False)

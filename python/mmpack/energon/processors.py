@@ -359,6 +359,7 @@ class ModelProcessor:
             placeholder_ids={kind: self.placeholder_id(kind) for kind in modalities},
             count=self.count,
             expansion=self.expansion,
+            list_content=True,
         )
 
     def decode_media(
