@@ -160,3 +160,59 @@ def test_llava_counts_are_fixed_by_its_crop(qwen: Any) -> None:
         assert bridge.count(handle) == 16 == processed.token_ids.count(bridge.placeholder_id("image"))
         assert tuple(processed.values["pixel_values"].shape) == (1, 3, llava.CROP, llava.CROP)
         assert np.isfinite(processed.values["pixel_values"].numpy()).all()
+
+
+def test_video_counts_from_the_container_header_match_the_real_output(qwen: Any) -> None:
+    bridge = ModelProcessor(qwen)
+    bridge.probe(["video"])
+    for frames, width, height in ((4, 64, 48), (3, 120, 90), (6, 56, 56)):
+        clip = MediaHandle(
+            kind="video",
+            key="clip.mp4",
+            sample_key="s0",
+            source=("test", f"{frames}x{width}x{height}"),
+            data=qwen2_vl.video_bytes(frames, width, height),
+        )
+        assert clip.video_shape() == (frames, height, width)  # header only, no frame decoded
+        predicted = bridge.count(clip)
+        processed = bridge.process(clip)
+        grid = processed.values["video_grid_thw"]
+        assert predicted == int(grid.prod()) // 4 == processed.token_ids.count(qwen.video_token_id)
+        assert processed.values["pixel_values_videos"].shape[0] == int(grid.prod())
+        # Qwen2-VL pairs frames (temporal_patch_size 2): an odd count is padded
+        assert int(grid[0, 0]) == -(-frames // 2)
+    lying = MediaHandle(
+        kind="video",
+        key="clip.mp4",
+        sample_key="s0",
+        source=("test", "lying"),
+        data=qwen2_vl.video_bytes(6, 64, 48),
+        meta={"frames": 2, "width": 64, "height": 48},
+    )
+    with pytest.raises(MediaTokenCountError, match="video 'clip.mp4'"):
+        bridge.check_tokens("s0", lying, bridge.process(lying), bridge.count(lying))
+
+
+def test_audio_counts_follow_the_feature_extractors_settings() -> None:
+    import qwen2_audio
+    from mmpack.energon.synthetic import wav_bytes
+
+    processor = qwen2_audio.build_processor()
+    bridge = ModelProcessor(processor)
+    bridge.probe(["audio"])
+    audio_id = bridge.placeholder_id("audio")
+    for seconds, rate in ((0.3, 16000), (1.0, 16000), (0.77, 22050), (40.0, 16000)):
+        clip = MediaHandle(
+            kind="audio",
+            key="a.wav",
+            sample_key="s0",
+            source=("test", f"{seconds}@{rate}"),
+            data=wav_bytes(seconds, rate),
+        )
+        predicted = bridge.count(clip)  # from the WAV header
+        processed = bridge.process(clip)
+        assert processed.token_ids.count(audio_id) == predicted
+        frames = int(processed.values["feature_attention_mask"].sum())
+        assert frames == min(-(-round(seconds * 16000) // 160), 3000)  # 30 s at most
+        assert tuple(processed.values["input_features"].shape) == (1, 128, 3000)
+    assert bridge.settings("audio")["hop_length"] == 160
