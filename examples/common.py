@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from mmpack.energon import PackingTaskEncoder, make_worker_config
 from mmpack.energon.synthetic import WORDS, write_webdataset
 
@@ -92,12 +91,14 @@ def load_packs(path: Path, encoder: PackingTaskEncoder, *, workers: int = 0) -> 
         task_encoder=encoder,
         repeat=False,
     )
-    return [pack for batch in get_loader(dataset, watchdog_timeout_seconds=None) for pack in batch.packs]
+    return [
+        pack for batch in get_loader(dataset, watchdog_timeout_seconds=None) for pack in batch.packs
+    ]
 
 
-def next_token_loss(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> tuple[
-    torch.Tensor, int
-]:
+def next_token_loss(
+    logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100
+) -> tuple[torch.Tensor, int]:
     """Summed cross-entropy of `logits` ``[T, V]`` against a pack's `labels` ``[T]`` (already
     the next-token targets, `ignore_index` where nothing is trained), and the trained count."""
     loss = torch.nn.functional.cross_entropy(

@@ -22,12 +22,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from mmpack.energon import PackingEncoderConfig, PackingTaskEncoder
 from mmpack.energon.synthetic import WORDS, png_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
+from common import (
     generic_sample,
     load_packs,
     next_token_loss,
@@ -78,7 +77,12 @@ def build_processor() -> Any:
 
 
 def build_model(tokenizer: Any) -> Any:
-    from transformers import CLIPVisionConfig, LlamaConfig, LlavaConfig, LlavaForConditionalGeneration
+    from transformers import (
+        CLIPVisionConfig,
+        LlamaConfig,
+        LlavaConfig,
+        LlavaForConditionalGeneration,
+    )
 
     ids = tokenizer.convert_tokens_to_ids
     config = LlavaConfig(

@@ -18,12 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from mmpack.energon import PackingEncoderConfig, PackingTaskEncoder
 from mmpack.energon.synthetic import WORDS, wav_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import (  # noqa: E402
+from common import (
     generic_sample,
     load_packs,
     next_token_loss,
@@ -31,7 +30,14 @@ from common import (  # noqa: E402
     write_dataset,
 )
 
-SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|AUDIO|>", "<|audio_bos|>", "<|audio_eos|>"]
+SPECIAL_TOKENS = [
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|AUDIO|>",
+    "<|audio_bos|>",
+    "<|audio_eos|>",
+]
 TEMPLATE_WORDS = ["system", "user", "assistant", "You", "are", "a", "helpful", "Audio"]
 TEMPLATE_WORDS += [str(i) for i in range(1, 10)]
 

@@ -18,12 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
 from mmpack.energon import PackingEncoderConfig, PackingTaskEncoder
 from mmpack.energon.synthetic import png_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import generic_sample, load_packs, next_token_loss, word_tokenizer  # noqa: E402
+from common import generic_sample, load_packs, next_token_loss, word_tokenizer
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",

@@ -98,9 +98,7 @@ def mask_of(enc: PackingTaskEncoder, encoded: Any) -> np.ndarray:
     """The loss mask the pack builder uses for `encoded` (its labels' gate)."""
     if encoded.loss_mask is not None:
         return np.asarray(encoded.loss_mask, dtype=np.bool_)
-    return masks.from_roles(
-        encoded.message_lengths, encoded.message_roles, enc.config.train_roles
-    )
+    return masks.from_roles(encoded.message_lengths, encoded.message_roles, enc.config.train_roles)
 
 
 @pytest.mark.parametrize("mode", [None, "precomputed"])
@@ -114,9 +112,10 @@ def test_tokens_and_mask_are_the_templates_own(template: str, mode: str | None) 
     # template's assistant mask, or per-message boundaries)
     ids, expected = masks.from_chat_template(tokenizer, MESSAGES)
     assert encoded.token_ids.tolist() == ids.tolist()
-    assert encoded.token_ids.tolist() == tokenizer.apply_chat_template(MESSAGES, tokenize=True)[
-        "input_ids"
-    ]
+    assert (
+        encoded.token_ids.tolist()
+        == tokenizer.apply_chat_template(MESSAGES, tokenize=True)["input_ids"]
+    )
     got = mask_of(enc, encoded)
     assert got.tolist() == expected.tolist()
     trained = [WORDS[t] for t, m in zip(ids.tolist(), got.tolist(), strict=True) if m]

@@ -23,8 +23,8 @@ from mmpack.energon.synthetic import png_bytes
 from mmpack.errors import EnergonConfigError, MediaTokenCountError, ModalityConfigError
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-import llava  # noqa: E402
-import qwen2_vl  # noqa: E402
+import llava
+import qwen2_vl
 
 
 @pytest.fixture(scope="module")
@@ -57,9 +57,7 @@ def conversation(key: str, *media: MediaHandle) -> Conversation:
     )
 
 
-@pytest.mark.parametrize(
-    "size", [(56, 56), (84, 56), (30, 20), (200, 150), (1000, 30), (113, 57)]
-)
+@pytest.mark.parametrize("size", [(56, 56), (84, 56), (30, 20), (200, 150), (1000, 30), (113, 57)])
 def test_qwen2_vl_counts_before_decoding_match_the_real_output(qwen: Any, size: Any) -> None:
     bridge = ModelProcessor(qwen)
     bridge.probe(["image"])
@@ -135,7 +133,7 @@ def test_a_text_only_processor_with_audio_configured_stops_at_construction(qwen:
     only_images = llava.build_processor()
     with pytest.raises(ModalityConfigError, match=r"\['video'\].*LlavaProcessor handles image"):
         PackingTaskEncoder(PackingEncoderConfig(modalities=["video"]), processor=only_images)
-    with pytest.raises(ModalityConfigError, match="video.*needs a model's Hugging Face processor"):
+    with pytest.raises(ModalityConfigError, match=r"video.*needs a model's Hugging Face processor"):
         PackingTaskEncoder(
             PackingEncoderConfig(modalities=["video"]),
             tokenizer=qwen.tokenizer,
@@ -157,7 +155,9 @@ def test_llava_counts_are_fixed_by_its_crop(qwen: Any) -> None:
     for size in ((64, 48), (300, 20), (14, 14)):
         handle = image("a.png", size)
         processed = bridge.process(handle)
-        assert bridge.count(handle) == 16 == processed.token_ids.count(bridge.placeholder_id("image"))
+        assert (
+            bridge.count(handle) == 16 == processed.token_ids.count(bridge.placeholder_id("image"))
+        )
         assert tuple(processed.values["pixel_values"].shape) == (1, 3, llava.CROP, llava.CROP)
         assert np.isfinite(processed.values["pixel_values"].numpy()).all()
 
@@ -189,7 +189,7 @@ def test_video_counts_from_the_container_header_match_the_real_output(qwen: Any)
         data=qwen2_vl.video_bytes(6, 64, 48),
         meta={"frames": 2, "width": 64, "height": 48},
     )
-    with pytest.raises(MediaTokenCountError, match="video 'clip.mp4'"):
+    with pytest.raises(MediaTokenCountError, match=r"video 'clip.mp4'"):
         bridge.check_tokens("s0", lying, bridge.process(lying), bridge.count(lying))
 
 

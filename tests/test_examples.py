@@ -15,9 +15,9 @@ pytest.importorskip("torchvision")
 pytest.importorskip("av")
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-import llava  # noqa: E402
-import qwen2_audio  # noqa: E402
-import qwen2_vl  # noqa: E402
+import llava
+import qwen2_audio
+import qwen2_vl
 
 # Energon's loader asks for pinned memory, which a CPU-only machine cannot give
 pytestmark = pytest.mark.filterwarnings("ignore:.*pin_memory.*:UserWarning")

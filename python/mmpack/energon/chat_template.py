@@ -74,7 +74,9 @@ class TemplateMedia:
     list_content: bool = False
 
 
-def markup_media(tokenizer: Any, settings: MediaSettings, modalities: Sequence[str]) -> TemplateMedia:
+def markup_media(
+    tokenizer: Any, settings: MediaSettings, modalities: Sequence[str]
+) -> TemplateMedia:
     """Placeholders for mmpack's own patchifier: the template renders the markup's media token
     (``<image>``, ``<audio>``) once per item, which expands to one copy per patch / frame."""
     vocab = tokenizer.get_vocab()

@@ -287,13 +287,10 @@ class MediaHandle:
     def video_shape(self) -> tuple[int, int, int]:
         """(frames, height, width) from the metadata (``frames``, ``width``, ``height``), else
         from the container header (PyAV; no frame is decoded)."""
-        frames, width, height = (self.meta.get(k) for k in ("frames", "width", "height"))
-        if all(isinstance(v, int) for v in (frames, width, height)) and _positive(
-            frames,  # type: ignore[arg-type]
-            width,  # type: ignore[arg-type]
-            height,  # type: ignore[arg-type]
-        ):
-            return int(frames), int(height), int(width)  # type: ignore[arg-type]
+        declared = [self.meta.get(k) for k in ("frames", "height", "width")]
+        sizes = [v for v in declared if isinstance(v, int)]
+        if len(sizes) == 3 and _positive(*sizes):
+            return sizes[0], sizes[1], sizes[2]
         try:
             import av
 

@@ -59,8 +59,12 @@ class _Kind:
 
 
 _KINDS: dict[str, _Kind] = {
-    "image": _Kind(("image_processor",), "image_token", "images", "image_sizes", "num_image_tokens"),
-    "video": _Kind(("video_processor",), "video_token", "videos", "video_sizes", "num_video_tokens"),
+    "image": _Kind(
+        ("image_processor",), "image_token", "images", "image_sizes", "num_image_tokens"
+    ),
+    "video": _Kind(
+        ("video_processor",), "video_token", "videos", "video_sizes", "num_video_tokens"
+    ),
     "audio": _Kind(
         ("audio_processor", "feature_extractor"), "audio_token", "audio", "", "num_audio_tokens"
     ),
@@ -293,9 +297,7 @@ class ModelProcessor:
         if handle.kind == "audio":
             rate = int(self.component("audio").sampling_rate)
             return self.count_for_size("audio", (handle.audio_samples(rate),))
-        raise SampleFormatError(
-            f"sample {handle.sample_key!r}: unknown media kind {handle.kind!r}"
-        )
+        raise SampleFormatError(f"sample {handle.sample_key!r}: unknown media kind {handle.kind!r}")
 
     # ------------------------------------------------------------------ decoding
 
@@ -320,9 +322,7 @@ class ModelProcessor:
         if handle.kind == "audio":
             rate = int(self.component("audio").sampling_rate)
             return _waveform(data, rate, handle)
-        raise SampleFormatError(
-            f"sample {handle.sample_key!r}: unknown media kind {handle.kind!r}"
-        )
+        raise SampleFormatError(f"sample {handle.sample_key!r}: unknown media kind {handle.kind!r}")
 
     def process(self, handle: MediaHandle) -> ProcessedMedia:
         """Decode `handle` and run the processor on it."""

@@ -43,9 +43,9 @@ from mmpack.energon.policy import (
     check_hooks,
     check_sample,
 )
+from mmpack.energon.processors import ModelProcessor, is_model_processor
 from mmpack.energon.samples import Conversation, EncodedConversation, SftBatch, SftPack
 from mmpack.energon.stats import LoaderStats
-from mmpack.energon.processors import ModelProcessor, is_model_processor
 from mmpack.energon.validation import (
     check_chat_template,
     check_model_processor,
@@ -341,7 +341,7 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
         cls = self.packed_tensor_type
         by_content = self.config.media_identity == "content"
         if self.model_processor is not None:
-            out, n_decoded = self.model_processor.decode_media(
+            processed, n_decoded = self.model_processor.decode_media(
                 sample.__key__,
                 sample.media,
                 sample.media_tokens,
@@ -351,7 +351,7 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
             )
             if n_decoded:
                 self.stats.add("decoded", n_decoded)
-            return out
+            return processed
         rows: dict[str, list[Any]] = {kind: [] for kind in self.config.modalities}
         decoded: dict[bytes, Any] = {}
         for index, handle in enumerate(sample.media):

@@ -190,7 +190,7 @@ def check_chat_template(encode: Any, modalities: Iterable[str]) -> None:
     from mmpack.energon.media import MediaHandle
     from mmpack.energon.samples import Conversation, Part, Turn
 
-    meta = {
+    meta: dict[str, dict[str, Any]] = {
         "image": {"width": 56, "height": 56},
         "video": {"frames": 2, "width": 56, "height": 56},
         "audio": {"duration": 0.5},
