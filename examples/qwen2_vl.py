@@ -256,7 +256,9 @@ def packed_and_unpacked_loss(model: Any, pack: Any) -> tuple[float, float, int]:
     return float(packed_sum / count), float(unpacked_sum / count), count
 
 
-def run(root: Path, *, video: bool = False, loss_mask_mode: str | None = None) -> dict[str, Any]:
+def run(
+    root: Path, *, video: bool = False, loss_mask_mode: str | None = None, workers: int = 0
+) -> dict[str, Any]:
     processor = build_processor()
     config = PackingEncoderConfig(
         capacity=160,
@@ -271,7 +273,7 @@ def run(root: Path, *, video: bool = False, loss_mask_mode: str | None = None) -
     # {"patch_size": 16}
     encoder = PackingTaskEncoder(config, processor=processor)
     path = write_samples(root, video=video)
-    packs = load_packs(path, encoder)
+    packs = load_packs(path, encoder, workers=workers)
     model = build_model(processor.tokenizer)
     results = [packed_and_unpacked_loss(model, pack) for pack in packs]
     return {

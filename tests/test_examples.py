@@ -35,8 +35,12 @@ def check(result: dict[str, Any], samples: int) -> None:
     assert all(count > 0 for _, _, count in result["losses"])
 
 
-def test_qwen2_vl_images_and_videos(tmp_path: Path) -> None:
-    result = qwen2_vl.run(tmp_path, video=True)
+@pytest.mark.parametrize("workers", [0, 2])
+def test_qwen2_vl_images_and_videos(tmp_path: Path, workers: int) -> None:
+    result = qwen2_vl.run(tmp_path, video=True, workers=workers)
+    if workers:  # each worker packs its own half: the counters live in the workers
+        assert result["samples"] == 8 and result["max_abs_diff"] < LOSS_TOLERANCE
+        return
     check(result, 8)
     media = [p.media for p in result["packs_data"]]
     assert sum(int(m["video_grid_thw"].logical_segment_counts_by_row()[0]) for m in media) == 2

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import functools
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -91,9 +92,17 @@ def markup_media(
         ids[kind] = int(vocab[token])
     return TemplateMedia(
         placeholder_ids=ids,
-        count=lambda handle: handle.num_tokens(settings),
-        expansion=lambda kind, n: [ids[kind]] * n,
+        count=functools.partial(_patch_count, settings=settings),
+        expansion=functools.partial(_repeat_placeholder, ids),
     )
+
+
+def _patch_count(handle: MediaHandle, *, settings: MediaSettings) -> int:
+    return handle.num_tokens(settings)
+
+
+def _repeat_placeholder(ids: Mapping[str, int], kind: str, count: int) -> list[int]:
+    return [ids[kind]] * count
 
 
 def has_chat_template(tokenizer: Any) -> bool:
