@@ -111,7 +111,7 @@ def test_new_names_warn_nowhere(recwarn: pytest.WarningsRecorder) -> None:
         ({"packing_buffer_size": True}, "packing_buffer_size must be a positive integer"),
         ({"loss_mask_mode": "roles"}, "loss_mask_mode must be None"),
         ({"on_oversize": "drop"}, "on_oversize must be one of"),
-        ({"modalities": ["video"]}, "unknown modality 'video'"),
+        ({"modalities": ["depth"]}, "unknown modality 'depth'"),
         ({"modalities": "image"}, "modalities must be a list"),
         ({"train_roles": []}, "train_roles must be a non-empty list"),
         ({"max_consecutive_skips": 0}, "Energon hangs silently"),

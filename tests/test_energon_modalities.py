@@ -67,12 +67,12 @@ def mixed(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, int]:
 
 
 @pytest.fixture(scope="module")
-def video(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("video")
+def depth_scan(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("depth")
     (root / "media").mkdir()
-    (root / "media" / "clip.mp4").write_bytes(b"not decoded")
+    (root / "media" / "scan.depth").write_bytes(b"not decoded")
     turns = [
-        {"role": "user", "fragments": [{"media": "clip.mp4", "kind": "video"}]},
+        {"role": "user", "fragments": [{"media": "scan.depth", "kind": "depth"}]},
         {"role": "assistant", "fragments": [{"text": "lolo", "trainable": True}]},
     ]
     write_webdataset(
@@ -117,9 +117,9 @@ def test_undeclared_modality_stops_the_job_at_its_first_sample(mixed: Any, worke
         assert encoder.stats.snapshot()["seen"] == FIRST_AUDIO + 1
 
 
-def test_unsupported_kind_stops_the_job_naming_it(video: Path) -> None:
-    batches, _ = loader(video, 0)
-    with pytest.raises(FatalSampleError, match=r"video media 'clip.mp4'.*does not support"):
+def test_unsupported_kind_stops_the_job_naming_it(depth_scan: Path) -> None:
+    batches, _ = loader(depth_scan, 0)
+    with pytest.raises(FatalSampleError, match=r"depth media 'scan.depth'.*does not support"):
         list(batches)
 
 

@@ -28,7 +28,8 @@ LOSS_MASK_MODES = (None, "precomputed")
 OVERSIZE_POLICIES = ("skip", "error")
 UNDECLARED_MEDIA_POLICIES = ("error", "skip")
 MEDIA_IDENTITIES = ("source", "content")
-KNOWN_MODALITIES = ("image", "audio")
+KNOWN_MODALITIES = ("image", "audio", "video")
+CONVERSATION_FORMATS = ("auto", "chat_template", "markup")
 
 #: Retired field name -> what to use instead.
 RETIRED_FIELDS: dict[str, str] = {
@@ -89,6 +90,11 @@ class PackingEncoderConfig:
             ``"source"`` (where the item is: dataset path, shard, key and member, or media
             store path and key) or ``"content"`` (a hash of the item's bytes, so equal bytes
             share one stored segment wherever they come from).
+        conversation_format: how a conversation becomes tokens: ``"chat_template"`` (the
+            tokenizer's own template, `mmpack.energon.chat_template`), ``"markup"`` (mmpack's
+            markup, `mmpack.energon.conversation`, for tokenizers built for it) or ``"auto"``:
+            the template when the tokenizer has one, else the markup when the tokenizer has
+            every markup token, else refused at construction.
         batch_size: packs per batch.
         pad_token_id / pad_to_multiple_of / ignore_index / cp_size: passed to
             `mmpack.batch.pack_samples`.
@@ -107,6 +113,7 @@ class PackingEncoderConfig:
     modalities: tuple[str, ...] = ("image",)
     on_undeclared_media: str = "error"
     media_identity: str = "source"
+    conversation_format: str = "auto"
     batch_size: int = 1
     pad_token_id: int = 0
     pad_to_multiple_of: int = 1
@@ -156,6 +163,11 @@ class PackingEncoderConfig:
             raise EnergonConfigError(
                 f"media_identity must be one of {MEDIA_IDENTITIES} (provenance from where the "
                 f"item is, or from its bytes), got {self.media_identity!r}"
+            )
+        if self.conversation_format not in CONVERSATION_FORMATS:
+            raise EnergonConfigError(
+                f"conversation_format must be one of {CONVERSATION_FORMATS}, got "
+                f"{self.conversation_format!r}"
             )
         if not isinstance(self.algorithm, str) or not self.algorithm:
             raise EnergonConfigError(

@@ -1,10 +1,10 @@
 """Cookers for the two source formats. Both are lazy: media stays a `MediaHandle`.
 
 * generic (subflavor ``mmpack_format: generic``): one WebDataset sample holds ``<key>.json`` with
-  ``messages[]`` (``role``, ``content`` with ``<image>`` / ``<audio>`` placeholders) and a media
-  manifest ``media[]`` (``name``, ``kind``, ``width``/``height`` or ``duration``), plus one part per
-  media item (``<key>.<name>``). Placeholders take manifest entries in order; entries no
-  placeholder takes are never read or decoded.
+  ``messages[]`` (``role``, ``content`` with ``<image>`` / ``<video>`` / ``<audio>`` placeholders)
+  and a media manifest ``media[]`` (``name``, ``kind``, ``width``/``height`` (and ``frames``) or
+  ``duration``), plus one part per media item (``<key>.<name>``). Placeholders take manifest
+  entries in order; entries no placeholder takes are never read or decoded.
 * fragments (subflavor ``mmpack_format: fragments``): ``<key>.json`` with
   ``conversation[].fragments[]``; a fragment is ``{"text": ..., "trainable": bool}`` or
   ``{"media": KEY, "kind": ..., ...metadata}``, and KEY is looked up in a separate media store,
@@ -35,7 +35,7 @@ __all__ = ["FRAGMENTS", "GENERIC", "cook_fragments", "cook_generic", "default_co
 GENERIC = "generic"
 FRAGMENTS = "fragments"
 FORMAT_SUBFLAVOR = "mmpack_format"
-PLACEHOLDERS = {"<image>": "image", "<audio>": "audio"}
+PLACEHOLDERS = {"<image>": "image", "<audio>": "audio", "<video>": "video"}
 _PLACEHOLDER_RE = re.compile("(" + "|".join(re.escape(p) for p in PLACEHOLDERS) + ")")
 
 

@@ -56,7 +56,7 @@ __all__ = [
 ]
 
 #: media kind -> key of its values in `EncodedConversation.decoded_media` and `PackedBatch.media`
-MEDIA_KEYS = {"image": "pixel_values", "audio": "audio_values"}
+MEDIA_KEYS = {"image": "pixel_values", "audio": "audio_values", "video": "pixel_values_videos"}
 
 #: ``ceil(duration * rate)`` tolerates this much float error in a declared duration (a duration
 #: written as ``frames / rate`` must give back ``frames``)
@@ -283,6 +283,33 @@ class MediaHandle:
                 f"at {native} Hz"
             )
         return _resampled_length(frames, native, rate)
+
+    def video_shape(self) -> tuple[int, int, int]:
+        """(frames, height, width) from the metadata (``frames``, ``width``, ``height``), else
+        from the container header (PyAV; no frame is decoded)."""
+        declared = [self.meta.get(k) for k in ("frames", "height", "width")]
+        sizes = [v for v in declared if isinstance(v, int)]
+        if len(sizes) == 3 and _positive(*sizes):
+            return sizes[0], sizes[1], sizes[2]
+        try:
+            import av
+
+            with self._header() as stream, av.open(stream) as container:
+                video = container.streams.video[0]
+                shape = (int(video.frames), int(video.height), int(video.width))
+        except SampleFormatError:
+            raise
+        except Exception as err:
+            raise SampleFormatError(
+                f"sample {self.sample_key!r}: video {self.key!r} has no valid size "
+                f"({type(err).__name__}: {err})"
+            ) from err
+        if not _positive(*shape):
+            raise SampleFormatError(
+                f"sample {self.sample_key!r}: video {self.key!r} header gives {shape[0]} frames "
+                f"of {shape[2]}x{shape[1]}; declare 'frames', 'width' and 'height' in its metadata"
+            )
+        return shape
 
     def num_tokens(self, settings: MediaSettings) -> int:
         """Tokens (placeholder expansions) this media item takes in the sequence, from its

@@ -32,9 +32,10 @@ from megatron.energon import DefaultTaskEncoder, SkipSample, stateless
 from mmpack import PackedTensor
 from mmpack.batch import EncodedSample, PackedBatch, pack_samples
 from mmpack.energon import conversation as markup
+from mmpack.energon.chat_template import TemplateMedia, encode_with_chat_template, markup_media
 from mmpack.energon.config import PackingEncoderConfig
 from mmpack.energon.cookers import default_cookers
-from mmpack.energon.media import MEDIA_KEYS, MediaHandle
+from mmpack.energon.media import MEDIA_KEYS, MediaHandle, MediaSettings
 from mmpack.energon.padded_batch import build_padded
 from mmpack.energon.policy import (
     ConsecutiveSkipGuard,
@@ -42,9 +43,16 @@ from mmpack.energon.policy import (
     check_hooks,
     check_sample,
 )
+from mmpack.energon.processors import ModelProcessor, is_model_processor
 from mmpack.energon.samples import Conversation, EncodedConversation, SftBatch, SftPack
 from mmpack.energon.stats import LoaderStats
-from mmpack.energon.validation import check_optional_dependencies, resolve_media_settings
+from mmpack.energon.validation import (
+    check_chat_template,
+    check_model_processor,
+    check_optional_dependencies,
+    resolve_conversation_format,
+    resolve_media_settings,
+)
 from mmpack.errors import EnergonConfigError, MediaTokenCountError, UndeclaredModalityError
 from mmpack.packing import pack
 
@@ -58,12 +66,16 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
 
     Args:
         config: `PackingEncoderConfig` (defaults if omitted).
-        tokenizer: a Hugging Face (fast) tokenizer; the default `encode_conversation` needs the
-            special tokens ``<|system|> <|user|> <|assistant|> <|end|>`` and one media token per
-            configured modality (``<image>``, ``<audio>``).
-        processor: object or mapping with the media settings of the configured modalities
-            (image: ``patch_size``; audio: ``sampling_rate``, ``hop_length``,
-            ``downsample_factor``), checked at construction.
+        tokenizer: a Hugging Face (fast) tokenizer. With a chat template, conversations are
+            rendered by it; without one, mmpack's markup needs the special tokens
+            ``<|system|> <|user|> <|assistant|> <|end|>`` and one media token per configured
+            modality (``<image>``, ``<audio>``) (``conversation_format``). Defaults to the
+            model processor's tokenizer.
+        processor: the model's Hugging Face processor (``transformers.ProcessorMixin``), called
+            for real on the media (`mmpack.energon.processors`); or an object or mapping with
+            the settings of mmpack's own patchifier (image: ``patch_size``; audio:
+            ``sampling_rate``, ``hop_length``, ``downsample_factor``). Checked at
+            construction.
 
     The packer (`plan_packs`), the pack builder (`build_pack`) and the class of media values
     (`packed_tensor_type`) are mmpack's; a subclass may replace them with implementations of the
@@ -108,12 +120,38 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
         self.config = cfg
         # Energon reads this for every hook without an explicit tolerance (cooker included).
         self.__default_failure_tolerance__ = cfg.failure_tolerance
-        self.media_settings = resolve_media_settings(processor, cfg.modalities)
-        check_optional_dependencies(cfg.modalities)
+        #: the model's Hugging Face processor, called for real on the media (None: a mapping
+        #: of settings for mmpack's own patchifier)
+        self.model_processor = ModelProcessor(processor) if is_model_processor(processor) else None
+        if self.model_processor is not None:
+            check_model_processor(self.model_processor, cfg.modalities)
+            self.media_settings = MediaSettings()
+            if tokenizer is None:
+                tokenizer = processor.tokenizer
+        else:
+            self.media_settings = resolve_media_settings(processor, cfg.modalities)
+            check_optional_dependencies(cfg.modalities)
         self.tokenizer = tokenizer
-        self._token_ids = (
-            markup.special_token_ids(tokenizer, cfg.modalities) if tokenizer is not None else {}
+        self.conversation_format = resolve_conversation_format(
+            cfg.conversation_format,
+            tokenizer,
+            cfg.modalities,
+            model_processor=self.model_processor is not None,
         )
+        markup_format = self.conversation_format == "markup"
+        self._token_ids = (
+            markup.special_token_ids(tokenizer, cfg.modalities)
+            if tokenizer is not None and markup_format
+            else {}
+        )
+        self._template_media: TemplateMedia | None = None
+        if tokenizer is not None and not markup_format:
+            self._template_media = (
+                self.model_processor.template_media(cfg.modalities)
+                if self.model_processor is not None
+                else markup_media(tokenizer, self.media_settings, cfg.modalities)
+            )
+            check_chat_template(self.encode_conversation, cfg.modalities)
         self._probe_packer()
         check_hooks(
             self,
@@ -152,14 +190,23 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
 
     def encode_conversation(self, conversation: Conversation) -> EncodedConversation:
         """Tokens, per-message lengths/roles and (in ``"precomputed"`` mode) the loss mask of one
-        conversation, in the markup of `mmpack.energon.conversation`. Media stays lazy: only
-        its token count is used here."""
+        conversation: rendered by the tokenizer's chat template
+        (`mmpack.energon.chat_template`), or in the markup of `mmpack.energon.conversation`
+        (``conversation_format``). Media stays lazy: only its token count is used here."""
         if self.tokenizer is None:
             raise EnergonConfigError(
                 "PackingTaskEncoder needs a tokenizer (or a subclass that overrides "
                 "encode_conversation)"
             )
         cfg = self.config
+        if self._template_media is not None:
+            return encode_with_chat_template(
+                conversation,
+                tokenizer=self.tokenizer,
+                media=self._template_media,
+                train_roles=cfg.train_roles,
+                loss_mask_mode=cfg.loss_mask_mode,
+            )
         return markup.encode_conversation(
             conversation,
             token_ids=self._token_ids,
@@ -293,6 +340,18 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
         takes another number of tokens than the sample was encoded with."""
         cls = self.packed_tensor_type
         by_content = self.config.media_identity == "content"
+        if self.model_processor is not None:
+            processed, n_decoded = self.model_processor.decode_media(
+                sample.__key__,
+                sample.media,
+                sample.media_tokens,
+                modalities=self.config.modalities,
+                packed_tensor_type=cls,
+                by_content=by_content,
+            )
+            if n_decoded:
+                self.stats.add("decoded", n_decoded)
+            return processed
         rows: dict[str, list[Any]] = {kind: [] for kind in self.config.modalities}
         decoded: dict[bytes, Any] = {}
         for index, handle in enumerate(sample.media):

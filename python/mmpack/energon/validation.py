@@ -1,7 +1,11 @@
-"""Startup validation: every configured modality must be fully supported by the processor /
-feature-extractor settings, and its optional dependencies must be importable. Runs when the task
-encoder is constructed, before any sample is read, so a run never starts that would drop or fail
-every sample of a modality one by one, or die on a missing module mid-training."""
+"""Startup validation: every configured modality must be fully supported by the processor (a
+model's Hugging Face processor, whose settings are read from it and which is run once on a
+probe item per modality, or a mapping of settings for mmpack's own patchifier), its optional
+dependencies must be importable, and the tokenizer must be able to encode conversations (its
+chat template renders a probe conversation with every configured modality, or it carries the
+markup's tokens). Runs when the task encoder is constructed, before any sample is read, so a
+run never starts that would drop or fail every sample of a modality one by one, or die on a
+missing module mid-training."""
 
 from __future__ import annotations
 
@@ -9,10 +13,19 @@ import importlib.util
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from mmpack.energon.chat_template import has_chat_template
+from mmpack.energon.conversation import special_token_ids
 from mmpack.energon.media import MediaSettings
-from mmpack.errors import ModalityConfigError
+from mmpack.energon.processors import ModelProcessor
+from mmpack.errors import EnergonConfigError, ModalityConfigError
 
-__all__ = ["MODALITY_EXTRAS", "check_optional_dependencies", "resolve_media_settings"]
+__all__ = [
+    "MODALITY_EXTRAS",
+    "check_model_processor",
+    "check_optional_dependencies",
+    "resolve_conversation_format",
+    "resolve_media_settings",
+]
 
 #: setting -> (description, accepted names on the processor or its image processor /
 #: feature extractor)
@@ -36,6 +49,7 @@ _SETTINGS: dict[str, dict[str, tuple[str, tuple[str, ...]]]] = {
 MODALITY_EXTRAS: dict[str, tuple[str, tuple[str, ...]]] = {
     "image": ("energon", ("PIL",)),
     "audio": ("audio", ("librosa", "soxr", "soundfile")),
+    "video": ("video", ("av", "torchvision")),
 }
 
 _SUB_OBJECTS = ("image_processor", "feature_extractor", "audio_processor")
@@ -67,6 +81,55 @@ def _get(holder: Any, name: str) -> Any:
     return getattr(holder, name, None)
 
 
+def check_model_processor(processor: ModelProcessor, modalities: Iterable[str]) -> None:
+    """A model's processor must handle every configured modality (`ModalityConfigError`
+    otherwise, e.g. a text-only processor with audio configured), and each is probed once
+    through the real processor (`ModelProcessor.probe`)."""
+    modalities = tuple(modalities)
+    processor.check_modalities(modalities)
+    check_optional_dependencies(modalities)
+    processor.probe(modalities)
+
+
+def resolve_conversation_format(
+    requested: str, tokenizer: Any, modalities: Iterable[str], *, model_processor: bool
+) -> str:
+    """``"chat_template"`` or ``"markup"`` for the configured `requested` format (see
+    `PackingEncoderConfig.conversation_format`); raises `EnergonConfigError` when the tokenizer
+    cannot encode conversations that way."""
+    if tokenizer is None:
+        return requested
+    templated = has_chat_template(tokenizer)
+    if requested == "chat_template" and not templated:
+        raise EnergonConfigError(
+            f"conversation_format is 'chat_template' but the tokenizer "
+            f"{type(tokenizer).__name__} has no chat template (set tokenizer.chat_template)"
+        )
+    if requested == "markup" or (requested == "auto" and not templated):
+        if model_processor:
+            raise EnergonConfigError(
+                "a model's processor needs the tokenizer's chat template (its placeholders "
+                "are the model's own tokens), but "
+                + (
+                    "conversation_format is 'markup'"
+                    if requested == "markup"
+                    else f"the tokenizer {type(tokenizer).__name__} has no chat template"
+                )
+            )
+        if requested == "auto":
+            try:
+                special_token_ids(tokenizer, modalities)
+            except EnergonConfigError as err:
+                raise EnergonConfigError(
+                    f"the tokenizer {type(tokenizer).__name__} has no chat template, and "
+                    f"mmpack's markup does not fit it ({err}). Set tokenizer.chat_template to "
+                    "the model's template, or add the markup's tokens and set "
+                    "conversation_format: markup"
+                ) from None
+        return "markup"
+    return "chat_template"
+
+
 def resolve_media_settings(processor: Any, modalities: Iterable[str]) -> MediaSettings:
     """Read the settings each modality needs from `processor` (an object or a mapping; nested
     ``image_processor`` / ``feature_extractor`` are searched too). Raises `ModalityConfigError`
@@ -76,6 +139,12 @@ def resolve_media_settings(processor: Any, modalities: Iterable[str]) -> MediaSe
     problems: list[str] = []
     for modality in modalities:
         table = _SETTINGS.get(modality)
+        if table is None and modality == "video":
+            problems.append(
+                "modality 'video' needs a model's Hugging Face processor with a video processor "
+                "(mmpack's own patchifier has none)"
+            )
+            continue
         if table is None:
             problems.append(f"unknown modality {modality!r}")
             continue
@@ -112,3 +181,50 @@ def check_optional_dependencies(modalities: Iterable[str]) -> None:
                 f"modality {modality!r} needs {', '.join(missing)}, which is not installed; "
                 f"install the extra: pip install 'mmpack[{extra}]'"
             )
+
+
+def check_chat_template(encode: Any, modalities: Iterable[str]) -> None:
+    """Encode a probe conversation (a user turn with one item of each configured modality,
+    sizes declared so nothing is read, and an assistant answer) with `encode`, so a template
+    that cannot be mapped onto messages and parts stops the run at construction."""
+    from mmpack.energon.media import MediaHandle
+    from mmpack.energon.samples import Conversation, Part, Turn
+
+    meta: dict[str, dict[str, Any]] = {
+        "image": {"width": 56, "height": 56},
+        "video": {"frames": 2, "width": 56, "height": 56},
+        "audio": {"duration": 0.5},
+    }
+    parts = [
+        Part(
+            media=MediaHandle(
+                kind=kind,
+                key=f"probe.{kind}",
+                sample_key="startup-probe",
+                source=("startup-probe", kind),
+                data=b"",
+                meta=meta.get(kind, {}),
+            )
+        )
+        for kind in modalities
+    ]
+    probe = Conversation(
+        __key__="startup-probe",
+        __restore_key__=(),
+        __subflavors__=None,
+        __sources__=(),
+        source_format="probe",
+        turns=[
+            Turn("user", (*parts, Part(text="hello"))),
+            Turn("assistant", (Part(text="hello"),)),
+        ],
+    )
+    try:
+        encode(probe)
+    except (EnergonConfigError, ModalityConfigError):
+        raise
+    except Exception as err:
+        raise EnergonConfigError(
+            f"the tokenizer's chat template cannot encode a probe conversation with "
+            f"{list(modalities) or 'text only'}: {type(err).__name__}: {err}"
+        ) from err
