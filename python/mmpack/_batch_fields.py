@@ -80,12 +80,17 @@ def move_fields(
 
 
 def merge_keyed_media(
-    owners: Sequence[str], media: Sequence[dict[str, Any] | None], how: str
+    owners: Sequence[str],
+    media: Sequence[dict[str, Any] | None],
+    how: str,
+    *,
+    what: tuple[str, str] = ("sample", "samples"),
 ) -> dict[str, Any]:
     """Per key, the values of ``media`` (one mapping per owner, ``None`` for none) joined with
     the ``how`` class method (``merge_segments`` or ``concat``) of their ``PackedTensor``
     class, in order. ``TypeError`` when a value is not a ``PackedTensor`` (or values of one
-    key mix classes); ``BatchMediaError`` naming the key and owners when the join fails."""
+    key mix classes); ``BatchMediaError`` naming the key and owners when the join fails.
+    ``what``: how messages call one owner and several."""
     per_key: dict[str, list[Any]] = {}
     names: dict[str, list[str]] = {}
     for owner, values in zip(owners, media, strict=True):
@@ -98,13 +103,14 @@ def merge_keyed_media(
         for value, owner in zip(values, names[key], strict=True):
             if type(value) is not cls or not hasattr(cls, how):
                 raise TypeError(
-                    f"media key {key!r} of {owner} is a {type(value).__name__}; every media "
-                    f"value of a key must be a PackedTensor of one class ({cls.__name__} first)"
+                    f"media key {key!r} of {what[0]} {owner} is a {type(value).__name__}; every "
+                    "media value of a key must be a PackedTensor of one class "
+                    f"({cls.__name__} first)"
                 )
         try:
             merged[key] = getattr(cls, how)(values)
         except Exception as exc:
             raise BatchMediaError(
-                f"cannot merge media key {key!r} across [{', '.join(names[key])}]: {exc}"
+                f"cannot merge media key {key!r} across {what[1]} [{', '.join(names[key])}]: {exc}"
             ) from exc
     return merged

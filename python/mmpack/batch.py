@@ -259,10 +259,6 @@ class PackedBatch:
 # ----------------------------------------------------------------------------- media
 
 
-def _sample_owners(samples: Sequence[EncodedSample]) -> list[str]:
-    return [f"sample {sample_name(s.sample_id)}" for s in samples]
-
-
 def merge_media(samples: Sequence[EncodedSample]) -> dict[str, Any]:
     """Per key, the samples' media merged with ``merge_segments`` of their ``PackedTensor``
     class, in sample order; samples without the key contribute nothing.
@@ -271,7 +267,8 @@ def merge_media(samples: Sequence[EncodedSample]) -> dict[str, Any]:
     classes), and ``BatchMediaError`` naming the key and samples when the merge fails (for
     example different ``dim_to_pack``).
     """
-    return merge_keyed_media(_sample_owners(samples), [s.media for s in samples], "merge_segments")
+    owners = [sample_name(s.sample_id) for s in samples]
+    return merge_keyed_media(owners, [s.media for s in samples], "merge_segments")
 
 
 # ----------------------------------------------------------------------------- builders
@@ -463,9 +460,10 @@ def micro_batch(
         out,
         sample_ids=[sid for p in packs for sid in p.sample_ids],
         media=merge_keyed_media(
-            [f"packs[{i}]" for i in range(len(packs))],
+            [str(i) for i in range(len(packs))],
             [p.media for p in packs],
             "merge_segments",
+            what=("pack", "packs"),
         ),
         pad_token_id=first.pad_token_id,
         ignore_index=first.ignore_index,

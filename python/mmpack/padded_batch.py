@@ -154,7 +154,7 @@ def pad_samples(
         "lengths": torch.from_numpy(out.lengths),
         "sample_ids": [s.sample_id for s in samples],
         "media": merge_keyed_media(
-            [f"sample {sample_name(s.sample_id)}" for s in samples],
+            [sample_name(s.sample_id) for s in samples],
             [s.media for s in samples],
             "concat",
         ),
