@@ -35,7 +35,6 @@ from mmpack.energon import conversation as markup
 from mmpack.energon.config import PackingEncoderConfig
 from mmpack.energon.cookers import default_cookers
 from mmpack.energon.media import MEDIA_KEYS, MediaHandle
-from mmpack.energon.padded_batch import build_padded
 from mmpack.energon.policy import (
     ConsecutiveSkipGuard,
     check_conversation,
@@ -47,6 +46,7 @@ from mmpack.energon.stats import LoaderStats
 from mmpack.energon.validation import check_optional_dependencies, resolve_media_settings
 from mmpack.errors import EnergonConfigError, MediaTokenCountError, UndeclaredModalityError
 from mmpack.packing import pack
+from mmpack.padded_batch import PaddedBatch, pad_samples
 
 __all__ = ["PackingTaskEncoder"]
 
@@ -206,7 +206,8 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
         )
 
     def pack_options(self) -> dict[str, Any]:
-        """The keyword options of `mmpack.batch.pack_samples` taken from the config."""
+        """The keyword options of `mmpack.batch.pack_samples` (and of
+        `mmpack.padded_batch.pad_samples`) taken from the config."""
         cfg = self.config
         return {
             "loss_mask_mode": cfg.loss_mask_mode,
@@ -221,9 +222,10 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
         """`PackedBatch` of decoded samples (`mmpack.batch.pack_samples`)."""
         return pack_samples([self.to_encoded_sample(s) for s in samples], **self.pack_options())
 
-    def build_padded(self, samples: Sequence[EncodedConversation]) -> dict[str, Any]:
-        """Rows padded to the longest sample (the no-packing path)."""
-        return build_padded(samples, self.config, self.packed_tensor_type)
+    def build_padded(self, samples: Sequence[EncodedConversation]) -> PaddedBatch:
+        """Rows padded to the longest sample, rounded up to the padding multiple (the
+        no-packing path; `mmpack.padded_batch.pad_samples`)."""
+        return pad_samples([self.to_encoded_sample(s) for s in samples], **self.pack_options())
 
     # ------------------------------------------------------------------ Energon hooks
 
@@ -396,7 +398,7 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
             __sources__=tuple(src for s in samples for src in (s.__sources__ or ())),
             sample_keys=[s.__key__ for s in samples],
             num_tokens=sum(s.num_tokens for s in samples),
-            token_slots=int(padded["input_ids"].numel()),
+            token_slots=int(padded.input_ids.numel()),
             padded=padded,
         )
 
