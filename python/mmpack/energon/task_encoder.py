@@ -44,7 +44,12 @@ from mmpack.energon.policy import (
 from mmpack.energon.samples import Conversation, EncodedConversation, SftBatch, SftPack
 from mmpack.energon.stats import LoaderStats
 from mmpack.energon.validation import check_optional_dependencies, resolve_media_settings
-from mmpack.errors import EnergonConfigError, MediaTokenCountError, UndeclaredModalityError
+from mmpack.errors import (
+    BatchOptionError,
+    EnergonConfigError,
+    MediaTokenCountError,
+    UndeclaredModalityError,
+)
 from mmpack.packing import pack
 from mmpack.padded_batch import PaddedBatch, pad_samples
 
@@ -115,6 +120,7 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
             markup.special_token_ids(tokenizer, cfg.modalities) if tokenizer is not None else {}
         )
         self._probe_packer()
+        self._probe_batch_options()
         check_hooks(
             self,
             restored_hooks=self.RESTORED_HOOKS,
@@ -139,6 +145,16 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
             raise EnergonConfigError(
                 f"packing options rejected by {self.packer_name}: {type(err).__name__}: {err}"
             ) from err
+
+    def _probe_batch_options(self) -> None:
+        """Fail at construction (not in a worker) if the batch options are invalid (a negative
+        ``pad_token_id``, an ``ignore_index`` equal to it): one padding token through the
+        batch builder."""
+        probe = EncodedSample("probe", [self.config.pad_token_id], loss_mask=[1])
+        try:
+            pack_samples([probe], **{**self.pack_options(), "loss_mask_mode": "precomputed"})
+        except BatchOptionError as err:
+            raise EnergonConfigError(f"batch options rejected by pack_samples: {err}") from err
 
     def dataset_options(self) -> dict[str, int]:
         """The packing options of ``get_train_dataset`` / ``get_val_dataset`` that must match
