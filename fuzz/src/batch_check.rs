@@ -288,7 +288,10 @@ pub fn check(data: &[u8]) {
                 cu_seqlens_padded: &g.cu_seqlens_padded,
                 max_seqlen: g.max_seqlen,
             };
-            assert_eq!(check_thd(&view, opts.pad_token_id, opts.ignore_index), Ok(()));
+            assert_eq!(
+                check_thd(&view, opts.pad_token_id, opts.ignore_index),
+                Ok(())
+            );
         }
         (Err(_), None) => {}
         // A multiple past i64 (cp_size near 2^62) is refused by the builder, not the model.

@@ -93,8 +93,8 @@ def merge_keyed_media(
     ``what``: how messages call one owner and several."""
     per_key: dict[str, list[Any]] = {}
     names: dict[str, list[str]] = {}
-    for owner, values in zip(owners, media, strict=True):
-        for key, value in (values or {}).items():
+    for owner, mapping in zip(owners, media, strict=True):
+        for key, value in (mapping or {}).items():
             per_key.setdefault(key, []).append(value)
             names.setdefault(key, []).append(owner)
     merged: dict[str, Any] = {}

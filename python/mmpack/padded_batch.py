@@ -92,11 +92,16 @@ class PaddedBatch:
             )
         if self.input_ids.device.type == "meta":
             return
-        flat = [host_array(getattr(self, n).reshape(-1), n) for n in _ROW_DTYPES]
+        flat = {n: host_array(getattr(self, n).reshape(-1), n) for n in _ROW_DTYPES}
         _native.check_padded(
             rows,
             width,
-            *flat,
+            flat["input_ids"],
+            flat["labels"],
+            flat["loss_mask"],
+            flat["token_mask"],
+            flat["position_ids"],
+            flat["attention_mask"],
             host_array(self.lengths, "lengths"),
             pad_token_id=self.pad_token_id,
             ignore_index=self.ignore_index,

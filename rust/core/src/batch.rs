@@ -182,9 +182,10 @@ fn round_up(n: usize, multiple: usize) -> CoreResult<usize> {
     if rem == 0 {
         Ok(n)
     } else {
-        n.checked_add(multiple - rem).ok_or(CoreError::IndexOverflow {
-            what: "padded sequence length",
-        })
+        n.checked_add(multiple - rem)
+            .ok_or(CoreError::IndexOverflow {
+                what: "padded sequence length",
+            })
     }
 }
 
@@ -297,14 +298,16 @@ impl Fields {
     ) -> CoreResult<()> {
         let pad = width.saturating_sub(tokens.len());
         self.input_ids.extend_from_slice(tokens);
-        self.input_ids.extend(std::iter::repeat_n(pad_token_id, pad));
+        self.input_ids
+            .extend(std::iter::repeat_n(pad_token_id, pad));
         // labels[p] = tokens[p + 1] where that token is trainable; loss_mask = labels trained.
         for (&t, &m) in tokens.iter().zip(trainable).skip(1) {
             self.labels.push(if m { t } else { ignore_index });
             self.loss_mask.push(m);
         }
         // The last token predicts nothing in its sample; padding predicts nothing.
-        self.labels.extend(std::iter::repeat_n(ignore_index, pad + 1));
+        self.labels
+            .extend(std::iter::repeat_n(ignore_index, pad + 1));
         self.loss_mask.extend(std::iter::repeat_n(false, pad + 1));
         self.token_mask.extend_from_slice(trainable);
         self.token_mask.extend(std::iter::repeat_n(false, pad));
@@ -330,9 +333,8 @@ impl Fields {
         let end = width.checked_add(extra).ok_or(CoreError::IndexOverflow {
             what: "position ids",
         })?;
-        self.position_ids.extend(
-            as_i64(width, "position ids (int64)")?..as_i64(end, "position ids (int64)")?,
-        );
+        self.position_ids
+            .extend(as_i64(width, "position ids (int64)")?..as_i64(end, "position ids (int64)")?);
         Ok(())
     }
 }
@@ -573,9 +575,7 @@ pub fn concat(parts: &[ThdView<'_>], opts: &ConcatOptions) -> CoreResult<ThdLayo
         if total > target {
             return Err(option_error(
                 "pad_to_length",
-                format!(
-                    "the packs hold {total} positions, more than pad_to_length={target}"
-                ),
+                format!("the packs hold {total} positions, more than pad_to_length={target}"),
             ));
         }
         extra = target - total;
@@ -589,24 +589,23 @@ pub fn concat(parts: &[ThdView<'_>], opts: &ConcatOptions) -> CoreResult<ThdLayo
     for part in parts {
         fields.input_ids.extend_from_slice(part.input_ids);
         fields.labels.extend_from_slice(part.labels);
-        fields.loss_mask.extend(part.loss_mask.iter().map(|&b| b != 0));
+        fields
+            .loss_mask
+            .extend(part.loss_mask.iter().map(|&b| b != 0));
         fields
             .token_mask
             .extend(part.token_mask.iter().map(|&b| b != 0));
         fields.position_ids.extend_from_slice(part.position_ids);
-        for (&c, &cp) in part
-            .cu_seqlens
-            .iter()
-            .zip(part.cu_seqlens_padded)
-            .skip(1)
-        {
+        for (&c, &cp) in part.cu_seqlens.iter().zip(part.cu_seqlens_padded).skip(1) {
             // Checked non-negative and non-decreasing by check_thd.
             let c = base + usize::try_from(c).unwrap_or(0);
             let cp = base_padded + usize::try_from(cp).unwrap_or(0);
             cu_seqlens.push(as_i32(c)?);
             cu_seqlens_padded.push(as_i32(cp)?);
         }
-        base = cu_seqlens.last().map_or(0, |&v| usize::try_from(v).unwrap_or(0));
+        base = cu_seqlens
+            .last()
+            .map_or(0, |&v| usize::try_from(v).unwrap_or(0));
         base_padded = cu_seqlens_padded
             .last()
             .map_or(0, |&v| usize::try_from(v).unwrap_or(0));

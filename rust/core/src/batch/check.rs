@@ -96,7 +96,11 @@ fn check_segment(
             )));
         }
         if lm > 1 || tm > 1 {
-            let (name, v) = if lm > 1 { ("loss_mask", lm) } else { ("token_mask", tm) };
+            let (name, v) = if lm > 1 {
+                ("loss_mask", lm)
+            } else {
+                ("token_mask", tm)
+            };
             return Err(bad(format!(
                 "{name}{flat} ({at}) holds the byte {v}, not 0 or 1"
             )));
@@ -115,9 +119,7 @@ fn check_segment(
                 )));
             }
             if tm != 0 {
-                return Err(bad(format!(
-                    "token_mask{flat} ({at}) is 1 on padding"
-                )));
+                return Err(bad(format!("token_mask{flat} ({at}) is 1 on padding")));
             }
         }
         // The label predicts the next token of the same sample where that token is trainable.
@@ -195,7 +197,12 @@ pub fn check_thd(v: &ThdView<'_>, pad_token_id: i64, ignore_index: i64) -> CoreR
             cu.len()
         )));
     }
-    expect_len("cu_seqlens_padded", cup.len(), cu.len(), "one per entry of cu_seqlens")?;
+    expect_len(
+        "cu_seqlens_padded",
+        cup.len(),
+        cu.len(),
+        "one per entry of cu_seqlens",
+    )?;
     if cu.first() != Some(&0) || cup.first() != Some(&0) {
         return Err(bad("cu_seqlens and cu_seqlens_padded start at 0".to_owned()));
     }

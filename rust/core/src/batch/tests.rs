@@ -148,8 +148,14 @@ fn pad_to_length_is_absorbed_by_the_last_sample() {
     }
     for (length, needle) in [(6, "multiple of 4"), (4, "needs 8 positions"), (0, ">= 1")] {
         o.pad_to_length = Some(length);
-        let err = build(&s, &o).err().map(|e| e.to_string()).unwrap_or_default();
-        assert!(err.contains("pad_to_length") && err.contains(needle), "{err}");
+        let err = build(&s, &o)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(
+            err.contains("pad_to_length") && err.contains(needle),
+            "{err}"
+        );
     }
 }
 
@@ -166,10 +172,7 @@ fn padded_rows_take_their_attention_mask_from_the_lengths() {
     let Ok(out) = out else { return };
     assert_eq!((out.rows, out.width), (2, 4));
     assert_eq!(out.input_ids, vec![7, 2, 5, 2, 9, 2, 2, 2]);
-    assert_eq!(
-        bytes(&out.attention_mask),
-        vec![1, 1, 1, 1, 1, 1, 0, 0]
-    );
+    assert_eq!(bytes(&out.attention_mask), vec![1, 1, 1, 1, 1, 1, 0, 0]);
     assert_eq!(out.labels, vec![-100, 5, 2, -100, 2, -100, -100, -100]);
     assert_eq!(bytes(&out.loss_mask), vec![0, 1, 1, 0, 1, 0, 0, 0]);
     assert_eq!(bytes(&out.token_mask), vec![0, 0, 1, 1, 1, 1, 0, 0]);
@@ -325,11 +328,7 @@ fn check_names_each_disagreement() {
         ..v
     })
     .is_some_and(|e| e.contains("pad_token_id")));
-    assert!(err(ThdView {
-        max_seqlen: 3,
-        ..v
-    })
-    .is_some_and(|e| e.contains("max_seqlen")));
+    assert!(err(ThdView { max_seqlen: 3, ..v }).is_some_and(|e| e.contains("max_seqlen")));
     let mut odd = tm.clone();
     odd[0] = 2;
     assert!(err(ThdView {
@@ -394,14 +393,10 @@ fn packs_join_into_one_micro_batch() {
     assert_eq!(padded.max_seqlen, 16);
     assert!(check_built(&padded, 0, -100).is_ok());
     // packs not padded for the micro-batch's context parallelism
-    let err = concat(
-        &parts,
-        &ConcatOptions {
-            multiple: 8,
-            ..c
-        },
+    let err = concat(&parts, &ConcatOptions { multiple: 8, ..c });
+    assert!(
+        matches!(err, Err(CoreError::BatchLayout { ref detail }) if detail.starts_with("packs[0]"))
     );
-    assert!(matches!(err, Err(CoreError::BatchLayout { ref detail }) if detail.starts_with("packs[0]")));
     assert!(concat(
         &parts,
         &ConcatOptions {
