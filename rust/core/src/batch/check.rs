@@ -4,6 +4,8 @@
 //! naming the field, the sample and the position.
 //!
 //! Masks arrive as bytes (0 or 1): a bool array from numpy or torch can hold other bytes.
+use std::fmt;
+
 use crate::error::{CoreError, CoreResult};
 
 /// One THD pack or micro-batch, borrowed.
@@ -68,6 +70,18 @@ fn segment<'a>(
     })
 }
 
+/// Position `p` of a sample as the arrays index it, formatted only when an error names it.
+struct Pos<'a> {
+    index: &'a dyn Fn(usize) -> String,
+    p: usize,
+}
+
+impl fmt::Display for Pos<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&(self.index)(self.p))
+    }
+}
+
 /// Check one sample's slots; `at` names the sample and `index(p)` position `p` of it in the
 /// arrays (`[flat]` or `[row, p]`). Returns its largest token id.
 fn check_segment(
@@ -88,7 +102,7 @@ fn check_segment(
         .zip(seg.position_ids)
         .enumerate();
     for (p, ((((&id, &label), &lm), &tm), &pos)) in fields {
-        let flat = index(p);
+        let flat = Pos { index, p };
         if i64::try_from(p).ok() != Some(pos) {
             return Err(bad(format!(
                 "position_ids{flat} ({at}, position {p}) is {pos}, expected {p}: positions \
