@@ -118,6 +118,7 @@ def test_hand_built_pack_is_checked_field_by_field() -> None:
     flat = torch.arange(good.input_ids.numel())
     refused(r"position_ids\[4\] \(sample 1, position 0\) is 4", position_ids=flat)
     refused("max_seqlen is 3", max_seqlen=3)
+    refused(r"invalid PackedBatch\.max_seqlen: must be >= 0", max_seqlen=-1)
     refused("2 sample_ids for 3 samples", sample_ids=["a", "b"])
     past = pack_samples(_samples(), ignore_index=41)
     ids = past.input_ids.clone()

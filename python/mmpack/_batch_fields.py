@@ -4,13 +4,13 @@ native checks, in-place device moves of frozen batches, and joining media per ke
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
-from mmpack._coerce import bools_as_bytes, option_int, tensor_numpy
+from mmpack._coerce import I64_MIN, bools_as_bytes, option_int, tensor_numpy
 from mmpack.errors import BatchLayoutError, BatchMediaError
 
 __all__ = [
@@ -43,13 +43,17 @@ def check_tensor_fields(batch: Any, dtypes: dict[str, torch.dtype], *, ndim: int
 
 
 def check_scalars(batch: Any) -> None:
-    """``pad_token_id``, ``ignore_index`` (and ``max_seqlen``) are int64 ints, ``sample_ids`` a
-    list."""
+    """``pad_token_id`` and ``ignore_index`` are int64 ints, ``max_seqlen`` (where there is
+    one) a non-negative one, ``sample_ids`` a list; the ints are stored as plain ``int``."""
     cls = type(batch).__name__
-    for name in ("pad_token_id", "ignore_index") + (
-        ("max_seqlen",) if hasattr(batch, "max_seqlen") else ()
-    ):
-        option_int(getattr(batch, name), f"{cls}.{name}", error=BatchLayoutError)
+    minimums = {"pad_token_id": I64_MIN, "ignore_index": I64_MIN}
+    if hasattr(batch, "max_seqlen"):
+        minimums["max_seqlen"] = 0
+    for name, minimum in minimums.items():
+        value = option_int(
+            getattr(batch, name), f"{cls}.{name}", error=BatchLayoutError, minimum=minimum
+        )
+        object.__setattr__(batch, name, value)
     if not isinstance(batch.sample_ids, list):
         raise TypeError(f"{cls}.sample_ids must be a list, got {type(batch.sample_ids).__name__}")
 
@@ -80,37 +84,42 @@ def move_fields(
 
 
 def merge_keyed_media(
-    owners: Sequence[str],
+    owners: Sequence[Any],
     media: Sequence[dict[str, Any] | None],
     how: str,
     *,
     what: tuple[str, str] = ("sample", "samples"),
+    name: Callable[[Any], str] = str,
 ) -> dict[str, Any]:
     """Per key, the values of ``media`` (one mapping per owner, ``None`` for none) joined with
     the ``how`` class method (``merge_segments`` or ``concat``) of their ``PackedTensor``
     class, in order. ``TypeError`` when a value is not a ``PackedTensor`` (or values of one
     key mix classes); ``BatchMediaError`` naming the key and owners when the join fails.
-    ``what``: how messages call one owner and several."""
+    Messages call one owner ``what[0]``, several ``what[1]``, each by ``name(owner)`` (only
+    formatted for an error)."""
     per_key: dict[str, list[Any]] = {}
-    names: dict[str, list[str]] = {}
+    holders: dict[str, list[Any]] = {}
     for owner, mapping in zip(owners, media, strict=True):
-        for key, value in (mapping or {}).items():
+        if not mapping:
+            continue
+        for key, value in mapping.items():
             per_key.setdefault(key, []).append(value)
-            names.setdefault(key, []).append(owner)
+            holders.setdefault(key, []).append(owner)
     merged: dict[str, Any] = {}
     for key, values in per_key.items():
         cls = type(values[0])
-        for value, owner in zip(values, names[key], strict=True):
+        for value, owner in zip(values, holders[key], strict=True):
             if type(value) is not cls or not hasattr(cls, how):
                 raise TypeError(
-                    f"media key {key!r} of {what[0]} {owner} is a {type(value).__name__}; every "
-                    "media value of a key must be a PackedTensor of one class "
-                    f"({cls.__name__} first)"
+                    f"media key {key!r} of {what[0]} {name(owner)} is a "
+                    f"{type(value).__name__}; every media value of a key must be a "
+                    f"PackedTensor of one class ({cls.__name__} first)"
                 )
         try:
             merged[key] = getattr(cls, how)(values)
         except Exception as exc:
+            names = ", ".join(name(o) for o in holders[key])
             raise BatchMediaError(
-                f"cannot merge media key {key!r} across {what[1]} [{', '.join(names[key])}]: {exc}"
+                f"cannot merge media key {key!r} across {what[1]} [{names}]: {exc}"
             ) from exc
     return merged

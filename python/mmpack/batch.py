@@ -192,8 +192,7 @@ class PackedBatch:
     def _unchecked(cls, **fields: Any) -> PackedBatch:
         """A batch from fields the core built (and so already agree): skips the re-check."""
         batch = object.__new__(cls)
-        for f in dataclasses.fields(cls):
-            object.__setattr__(batch, f.name, fields[f.name])
+        batch.__dict__.update(fields)  # frozen: no setattr
         return batch
 
     @classmethod
@@ -267,8 +266,12 @@ def merge_media(samples: Sequence[EncodedSample]) -> dict[str, Any]:
     classes), and ``BatchMediaError`` naming the key and samples when the merge fails (for
     example different ``dim_to_pack``).
     """
-    owners = [sample_name(s.sample_id) for s in samples]
-    return merge_keyed_media(owners, [s.media for s in samples], "merge_segments")
+    return merge_keyed_media(
+        [s.sample_id for s in samples],
+        [s.media for s in samples],
+        "merge_segments",
+        name=sample_name,
+    )
 
 
 # ----------------------------------------------------------------------------- builders
@@ -460,7 +463,7 @@ def micro_batch(
         out,
         sample_ids=[sid for p in packs for sid in p.sample_ids],
         media=merge_keyed_media(
-            [str(i) for i in range(len(packs))],
+            range(len(packs)),
             [p.media for p in packs],
             "merge_segments",
             what=("pack", "packs"),
@@ -510,7 +513,7 @@ def _lengths(s: EncodedSample) -> Any:
     if type(x) is not list and type(x) is not tuple:
         x = x.tolist() if hasattr(x, "tolist") else list(x)  # a numpy array
     # A bool is an int to the native extraction: [True, True] would read as lengths 1, 1.
-    if any(type(v) is bool for v in x):
+    if bool in map(type, x):
         raise TypeError(
             f"message_lengths of sample {sample_name(s.sample_id)} must be integers, got bool"
         )

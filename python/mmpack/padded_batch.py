@@ -159,13 +159,13 @@ def pad_samples(
         "lengths": torch.from_numpy(out.lengths),
         "sample_ids": [s.sample_id for s in samples],
         "media": merge_keyed_media(
-            [sample_name(s.sample_id) for s in samples],
+            [s.sample_id for s in samples],
             [s.media for s in samples],
             "concat",
+            name=sample_name,
         ),
         "pad_token_id": int(pad_token_id),
         "ignore_index": int(ignore_index),
     }
-    for name, value in fields.items():
-        object.__setattr__(batch, name, value)
+    batch.__dict__.update(fields)  # frozen: no setattr
     return batch

@@ -301,10 +301,11 @@ impl Fields {
         self.input_ids
             .extend(std::iter::repeat_n(pad_token_id, pad));
         // labels[p] = tokens[p + 1] where that token is trainable; loss_mask = labels trained.
-        for (&t, &m) in tokens.iter().zip(trainable).skip(1) {
-            self.labels.push(if m { t } else { ignore_index });
-            self.loss_mask.push(m);
-        }
+        let next = tokens.iter().zip(trainable).skip(1);
+        self.labels
+            .extend(next.map(|(&t, &m)| if m { t } else { ignore_index }));
+        self.loss_mask
+            .extend(trainable.get(1..).unwrap_or_default());
         // The last token predicts nothing in its sample; padding predicts nothing.
         self.labels
             .extend(std::iter::repeat_n(ignore_index, pad + 1));
