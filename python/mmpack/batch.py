@@ -505,19 +505,16 @@ _TORCH_NATIVE_MASK = frozenset(
 
 
 def _lengths(s: EncodedSample) -> Any:
+    """``message_lengths`` as the native call reads it: a list or tuple as it is (bools are
+    refused there, naming the sample), arrays and tensors as lists."""
     x = s.message_lengths
-    if x is None:
-        return None
+    if x is None or type(x) is list or type(x) is tuple:
+        return x
     if type(x) is torch.Tensor:
         x = tensor_numpy(x, "message_lengths", s.sample_id)
-    if type(x) is not list and type(x) is not tuple:
-        x = x.tolist() if hasattr(x, "tolist") else list(x)  # a numpy array
-    # A bool is an int to the native extraction: [True, True] would read as lengths 1, 1.
-    if bool in map(type, x):
-        raise TypeError(
-            f"message_lengths of sample {sample_name(s.sample_id)} must be integers, got bool"
-        )
-    return x
+    if hasattr(x, "tolist"):  # a numpy array
+        return x.tolist()
+    return list(x)
 
 
 def _check_messages(s: EncodedSample) -> None:

@@ -5,7 +5,9 @@ use mmpack_core::batch::{
 };
 use mmpack_core::CoreError;
 use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1};
+use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
+use pyo3::types::PyBool;
 
 use crate::errors::PyCoreError;
 use crate::mask::MaskArr;
@@ -70,12 +72,28 @@ struct Samples<'py> {
     message_roles: Vec<Option<Vec<String>>>,
 }
 
+/// A sample's message lengths as int64. A bool is an int to Python, so `[True, True]` would
+/// read as two one-token messages: refused, naming the sample.
+fn lengths_of(obj: &Bound<'_, PyAny>, sample: &str) -> PyResult<Vec<i64>> {
+    let mut out = Vec::with_capacity(obj.len().unwrap_or(0));
+    for item in obj.try_iter()? {
+        let item = item?;
+        if item.is_instance_of::<PyBool>() {
+            return Err(PyTypeError::new_err(format!(
+                "message_lengths of sample {sample} must be integers, got bool"
+            )));
+        }
+        out.push(item.extract::<i64>()?);
+    }
+    Ok(out)
+}
+
 impl<'py> Samples<'py> {
     fn new(
         names: Vec<String>,
         tokens: &[Bound<'py, PyArray1<i64>>],
         masks: &[Option<Bound<'py, PyAny>>],
-        message_lengths: Vec<Option<Vec<i64>>>,
+        message_lengths: &[Option<Bound<'py, PyAny>>],
         message_roles: Vec<Option<Vec<String>>>,
     ) -> PyResult<Self> {
         let n = names.len();
@@ -91,7 +109,6 @@ impl<'py> Samples<'py> {
             .into());
         }
         Ok(Self {
-            names,
             tokens: tokens
                 .iter()
                 .map(|t| t.try_readonly())
@@ -100,7 +117,12 @@ impl<'py> Samples<'py> {
                 .iter()
                 .map(|m| m.as_ref().map(MaskArr::borrow).transpose())
                 .collect::<PyResult<_>>()?,
-            message_lengths,
+            message_lengths: message_lengths
+                .iter()
+                .zip(&names)
+                .map(|(l, name)| l.as_ref().map(|l| lengths_of(l, name)).transpose())
+                .collect::<PyResult<_>>()?,
+            names,
             message_roles,
         })
     }
@@ -140,7 +162,7 @@ fn build_pack<'py>(
     names: Vec<String>,
     tokens: Vec<Bound<'py, PyArray1<i64>>>,
     masks: Vec<Option<Bound<'py, PyAny>>>,
-    message_lengths: Vec<Option<Vec<i64>>>,
+    message_lengths: Vec<Option<Bound<'py, PyAny>>>,
     message_roles: Vec<Option<Vec<String>>>,
     precomputed: bool,
     train_roles: Vec<String>,
@@ -150,7 +172,7 @@ fn build_pack<'py>(
     cp_size: i64,
     pad_to_length: Option<i64>,
 ) -> PyResult<ThdLayout> {
-    let inputs = Samples::new(names, &tokens, &masks, message_lengths, message_roles)?;
+    let inputs = Samples::new(names, &tokens, &masks, &message_lengths, message_roles)?;
     let samples = inputs.refs()?;
     let opts = BatchOptions {
         mode: mode(precomputed),
@@ -182,7 +204,7 @@ fn build_padded<'py>(
     names: Vec<String>,
     tokens: Vec<Bound<'py, PyArray1<i64>>>,
     masks: Vec<Option<Bound<'py, PyAny>>>,
-    message_lengths: Vec<Option<Vec<i64>>>,
+    message_lengths: Vec<Option<Bound<'py, PyAny>>>,
     message_roles: Vec<Option<Vec<String>>>,
     precomputed: bool,
     train_roles: Vec<String>,
@@ -192,7 +214,7 @@ fn build_padded<'py>(
     cp_size: i64,
     pad_to_length: Option<i64>,
 ) -> PyResult<PaddedLayout> {
-    let inputs = Samples::new(names, &tokens, &masks, message_lengths, message_roles)?;
+    let inputs = Samples::new(names, &tokens, &masks, &message_lengths, message_roles)?;
     let samples = inputs.refs()?;
     let opts = BatchOptions {
         mode: mode(precomputed),
