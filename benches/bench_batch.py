@@ -7,6 +7,10 @@ Rows (median wall time over the repeats, same inputs on both sides):
   (``pad_to_multiple_of=8``, ``cp_size=2``), in both loss-mask modes. Reference: the per-sample
   torch builder in ``tests/reference/batch.py`` with NeMo-RL's PackedTensor
   (``tests/reference/packed_tensor.py``); mmpack: one native call plus ``mmpack.PackedTensor``.
+  Every field (``labels``, ``loss_mask``, ``token_mask``, ...) is compared before timing.
+* ``pad_samples``: the same samples as padded rows ``[64, L]`` (``pad_to_multiple_of=8``).
+* ``micro_batch``: the samples as 4 packs of 16, joined into one micro-batch padded to a fixed
+  length (``pad_to_length``), as a pipeline-parallel step takes them.
 * ``masks.validate`` of a 1M-token mask (int64, uint8 and bool torch tensors, all valid, so
   every value is read; a bool mask cannot hold a bad value, so only its length is checked).
   Reference: elementwise torch checks with the first bad position
@@ -37,7 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import numpy as np
 import torch
 from mmpack import PackedTensor, masks
-from mmpack.batch import EncodedSample, pack_samples
+from mmpack.batch import EncodedSample, PackedBatch, micro_batch, pack_samples
+from mmpack.padded_batch import PaddedBatch, pad_samples
 from reference import batch as ref_batch
 from reference import masks as ref_masks
 from reference.packed_tensor import PackedTensor as RefPackedTensor
@@ -95,7 +100,8 @@ def main() -> None:
         # same outputs first, then time
         a = pack_samples(fast, loss_mask_mode=mode, **opts)
         b = ref_batch.pack_samples(ref, loss_mask_mode=mode, **opts)
-        assert torch.equal(a.labels, b.labels) and torch.equal(a.input_ids, b.input_ids)
+        for name in PackedBatch._TENSOR_FIELDS:
+            assert torch.equal(getattr(a, name), getattr(b, name)), name
         t_ref = _median(
             lambda m=mode: ref_batch.pack_samples(ref, loss_mask_mode=m, **opts), repeats
         )
@@ -109,6 +115,37 @@ def main() -> None:
                 "target": 10,
             }
         )
+
+    # padded rows, and packs joined into one fixed-length micro-batch
+    pad_opts = {"pad_to_multiple_of": 8}
+    a_rows = pad_samples(fast, **pad_opts)
+    b_rows = ref_batch.pad_samples(ref, **pad_opts)
+    for name in PaddedBatch._TENSOR_FIELDS:
+        assert torch.equal(getattr(a_rows, name), getattr(b_rows, name)), name
+    rows.append(
+        {
+            "case": f"pad_samples {n_samples} samples ({tuple(a_rows.input_ids.shape)} rows)",
+            "reference_ms": _median(lambda: ref_batch.pad_samples(ref, **pad_opts), repeats) * 1e3,
+            "mmpack_ms": _median(lambda: pad_samples(fast, **pad_opts), repeats) * 1e3,
+            "target": 10,
+        }
+    )
+    quarter = max(n_samples // 4, 1)
+    packs = [pack_samples(fast[i : i + quarter], **opts) for i in range(0, n_samples, quarter)]
+    length = sum(p.input_ids.numel() for p in packs) + 64
+    mb_opts = {**opts, "pad_to_length": length}
+    a_mb = micro_batch(packs, **mb_opts)
+    b_mb = ref_batch.micro_batch(packs, **mb_opts)
+    for name in PackedBatch._TENSOR_FIELDS:
+        assert torch.equal(getattr(a_mb, name), getattr(b_mb, name)), name
+    rows.append(
+        {
+            "case": f"micro_batch of {len(packs)} packs (pad_to_length={length})",
+            "reference_ms": _median(lambda: ref_batch.micro_batch(packs, **mb_opts), repeats) * 1e3,
+            "mmpack_ms": _median(lambda: micro_batch(packs, **mb_opts), repeats) * 1e3,
+            "target": 1,
+        }
+    )
 
     gen = torch.Generator().manual_seed(1)
     for dtype in (torch.int64, torch.uint8, torch.bool):

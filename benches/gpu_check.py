@@ -11,7 +11,10 @@ Checks, for a deduplicated G=16 GRPO batch and its expanded legacy twin:
   once, through pinned staging), the legacy twin its logical bytes;
 * the asynchronous copy survives reuse of pinned memory and writes to the sources right after
   ``as_tensor`` returns;
-* ``PackedBatch``-style media moves (``move_segments``) keep sharing on the device.
+* ``PackedBatch``-style media moves (``move_segments``) keep sharing on the device;
+* a THD micro-batch (``mmpack.batch.micro_batch``, every field: ``labels``, ``loss_mask``,
+  ``token_mask``, positions, offsets) and padded rows (``mmpack.padded_batch.pad_samples``)
+  arrive on the device equal to the host ones, and their fields still pass the checks there.
 
 Prints a markdown table (H2D bytes, median ms) and exits non-zero on any mismatch.
 Usage: ``python benches/gpu_check.py [--repeats N]``.
@@ -200,6 +203,38 @@ def main() -> int:
     rows.append(("move_segments shares", counters.total_bytes, 3 * a.nbytes, 0.0, ok))
     if not ok:
         failures.append("move_segments sharing")
+
+    # trainer batches: every field crosses unchanged and still agrees with the others
+    import dataclasses
+
+    from mmpack.batch import EncodedSample, PackedBatch, micro_batch, pack_samples
+    from mmpack.padded_batch import PaddedBatch, pad_samples
+
+    samples = [
+        EncodedSample(f"s{i}", torch.arange(3, 3 + n), message_lengths=[2, n - 2],
+                      message_roles=["user", "assistant"])
+        for i, n in enumerate((5, 9, 4, 12))
+    ]  # fmt: skip
+    packs = [pack_samples(samples[:2], cp_size=2), pack_samples(samples[2:], cp_size=2)]
+    for name, host, cls in (
+        ("micro_batch(...).to(cuda)", micro_batch(packs, cp_size=2, pad_to_length=64), PackedBatch),
+        ("pad_samples(...).to(cuda)", pad_samples(samples, pad_to_multiple_of=8), PaddedBatch),
+    ):
+        fields = cls._TENSOR_FIELDS
+        before = {f: getattr(host, f).clone() for f in fields}
+        moved = host.to(device)
+        ok = all(
+            getattr(moved, f).device.type == "cuda" and _same(getattr(moved, f).cpu(), before[f])
+            for f in fields
+        )
+        try:
+            dataclasses.replace(moved)  # the checks read a host copy of device tensors
+        except Exception as exc:  # reported as a failure below
+            ok = False
+            print(f"{name}: {exc}")
+        rows.append((name, 0, 0, 0.0, ok))
+        if not ok:
+            failures.append(name)
 
     print("| case | H2D bytes | logical bytes | median ms | ok |")
     print("|---|---:|---:|---:|---|")

@@ -1,5 +1,5 @@
-"""mmpack.batch.pack_samples: the worked example, THD layout, labels, padding / CP, every
-error, device moves, media merging and Megatron's PackedSeqParams."""
+"""mmpack.batch.pack_samples: the worked example, THD layout, labels and the two masks, padding
+/ CP, every error, device moves, media merging and Megatron's PackedSeqParams."""
 
 from __future__ import annotations
 
@@ -55,8 +55,10 @@ def test_worked_example_both_modes_agree() -> None:
     b = pack_samples([precomputed], loss_mask_mode="precomputed")
     for batch in (a, b):
         assert batch.input_ids.tolist() == TOKENS.tolist()
-        assert batch.loss_mask.tolist() == [0, 0, 0, 0, 1, 1, 1]
+        assert batch.token_mask.tolist() == [0, 0, 0, 0, 1, 1, 1]
         assert batch.labels.tolist() == [-100, -100, -100, 20, 21, 22, -100]
+        # aligned with labels: the predictions of tokens 4, 5 and 6, made at 3, 4 and 5
+        assert batch.loss_mask.tolist() == [0, 0, 0, 1, 1, 1, 0]
         assert batch.position_ids.tolist() == list(range(7))
         assert batch.cu_seqlens.tolist() == [0, 7]
         assert batch.cu_seqlens.dtype == torch.int32
@@ -65,7 +67,7 @@ def test_worked_example_both_modes_agree() -> None:
         merged = batch.media["pixel_values"]
         assert len(merged) == 1
         assert torch.equal(merged.as_tensor(), torch.ones(4, 3))
-    for name in ("input_ids", "labels", "loss_mask", "position_ids", "cu_seqlens_padded"):
+    for name in PackedBatch._TENSOR_FIELDS:
         assert torch.equal(getattr(a, name), getattr(b, name))
 
 
@@ -106,21 +108,27 @@ def test_layout_labels_and_positions_with_padding() -> None:
     assert b.cu_seqlens.tolist() == [0, 3, 8, 9]
     assert b.cu_seqlens_padded.tolist() == [0, 4, 12, 16]
     assert b.input_ids.tolist() == [1, 2, 3, 7, 4, 5, 6, 7, 8, 7, 7, 7, 9, 7, 7, 7]
-    assert b.loss_mask.tolist() == [1, 1, 1, 0, 0, 1, 0, 1, 1, 0, 0, 0, 1, 0, 0, 0]
-    # labels[p] = input_ids[p+1] when p+1 is in the same sample and loss_mask[p+1] == 1
+    assert b.token_mask.tolist() == [1, 1, 1, 0, 0, 1, 0, 1, 1, 0, 0, 0, 1, 0, 0, 0]
+    # labels[p] = input_ids[p+1] when p+1 is in the same sample and token_mask[p+1] == 1
     assert b.labels.tolist() == [2, 3, -1, -1, 5, -1, 7, 8, -1, -1, -1, -1, -1, -1, -1, -1]
+    assert b.loss_mask.tolist() == (b.labels != -1).tolist()
+    # sample "c" is one trainable token: no prediction inside its sample reaches it
+    assert int(b.loss_mask.sum()) == 5 and int(b.token_mask.sum()) == 7
+    assert b.pad_token_id == 7 and b.ignore_index == -1
     assert b.position_ids.tolist() == [0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7, 0, 1, 2, 3]
     assert b.max_seqlen == 8
     assert len(b) == 3
     assert b.input_ids.dtype == torch.int64
-    assert b.loss_mask.dtype == torch.bool
+    assert b.loss_mask.dtype == torch.bool and b.token_mask.dtype == torch.bool
 
 
 def test_derived_mode_uses_roles_and_train_roles() -> None:
     b = pack_samples(_three_samples())
-    assert b.loss_mask.tolist() == [0, 1, 1, 1, 1, 0, 0, 0, 1]
+    assert b.token_mask.tolist() == [0, 1, 1, 1, 1, 0, 0, 0, 1]
+    assert b.loss_mask.tolist() == [1, 1, 0, 1, 0, 0, 0, 0, 0]
     b2 = pack_samples(_three_samples(), train_roles=("user",))
-    assert b2.loss_mask.tolist() == [1, 0, 0, 0, 0, 1, 1, 1, 0]
+    assert b2.token_mask.tolist() == [1, 0, 0, 0, 0, 1, 1, 1, 0]
+    assert b2.loss_mask.tolist() == [0, 0, 0, 0, 1, 1, 1, 0, 0]
 
 
 @pytest.mark.parametrize(("cp", "pad", "multiple"), [(2, 1, 4), (2, 6, 12), (4, 8, 8), (3, 4, 12)])

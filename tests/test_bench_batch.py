@@ -21,8 +21,9 @@ def test_bench_batch_quick(tmp_path: Path) -> None:
     )
     assert done.returncode == 0, done.stderr
     assert "| pack_samples" in done.stdout
+    assert "| pad_samples" in done.stdout and "| micro_batch" in done.stdout
     assert "| masks.validate" in done.stdout
     result = json.loads((tmp_path / "bench-results" / "bench_batch.json").read_text())
     assert result["quick"] is True
-    assert len(result["rows"]) == 5
+    assert len(result["rows"]) == 7
     assert all(row["mmpack_ms"] > 0 and row["reference_ms"] > 0 for row in result["rows"])

@@ -95,7 +95,8 @@ def test_worked_example_gives_the_same_tokens_and_mask_in_both_modes(
     pa = roles.build_pack([a])
     pb = pre.build_pack([b])
     assert pa.input_ids.tolist() == pb.input_ids.tolist()
-    assert pa.loss_mask.tolist() == pb.loss_mask.tolist() == [False] * 4 + [True] * 3
+    assert pa.token_mask.tolist() == pb.token_mask.tolist() == [False] * 4 + [True] * 3
+    assert pa.loss_mask.tolist() == pb.loss_mask.tolist() == [False] * 3 + [True] * 3 + [False]
     assert pa.labels.tolist() == pb.labels.tolist()
     assert pa.media["pixel_values"].as_tensor().shape == (1, 16 * 16 * 3)
 

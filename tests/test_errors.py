@@ -42,6 +42,7 @@ AREA = {
     "EmptySampleError": errors.BatchError,
     "InvalidTokenError": errors.BatchError,
     "BatchOptionError": errors.BatchError,
+    "BatchLayoutError": errors.BatchError,
     "BatchMediaError": errors.BatchError,
     "ChatTemplateError": errors.BatchError,
     "EnergonConfigError": errors.EnergonDataError,

@@ -94,7 +94,8 @@ def test_per_message_path_honours_train_roles() -> None:
 def test_chat_template_output_feeds_pack_samples() -> None:
     ids, mask = masks.from_chat_template(_tokenizer(PLAIN), MESSAGES)
     b = pack_samples([EncodedSample("chat", ids, loss_mask=mask)], loss_mask_mode="precomputed")
-    assert b.loss_mask.tolist() == mask.tolist()
+    assert b.token_mask.tolist() == mask.tolist()
+    assert b.loss_mask.tolist() == [*mask.tolist()[1:], False]  # the same, on the labels
 
 
 def test_template_errors() -> None:

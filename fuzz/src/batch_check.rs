@@ -1,6 +1,8 @@
 //! The batch builder against a direct model of the THD layout (see `mmpack_core::batch`):
 //! identical arrays when the model accepts the samples, an error when it refuses them.
-use mmpack_core::batch::{build, pad_multiple, BatchOptions, MaskMode, SampleRef, ThdLayout};
+use mmpack_core::batch::{
+    build, check_thd, pad_multiple, BatchOptions, MaskMode, SampleRef, ThdLayout, ThdView,
+};
 use mmpack_core::mask::MaskView;
 
 use crate::bytes::Bytes;
@@ -67,7 +69,11 @@ fn gen_sample(b: &mut Bytes<'_>, k: usize) -> Sample {
 
 /// The layout, or `None` when the samples or options must be refused.
 fn model(samples: &[Sample], opts: &BatchOptions<'_>, u8_masks: &[Vec<u8>]) -> Option<ThdLayout> {
-    if samples.is_empty() || opts.pad_to_multiple_of < 1 || opts.cp_size < 1 {
+    if samples.is_empty()
+        || opts.pad_to_multiple_of < 1
+        || opts.cp_size < 1
+        || opts.pad_token_id < 0
+    {
         return None;
     }
     let pad = i128::from(opts.pad_to_multiple_of);
@@ -86,6 +92,7 @@ fn model(samples: &[Sample], opts: &BatchOptions<'_>, u8_masks: &[Vec<u8>]) -> O
         input_ids: Vec::new(),
         labels: Vec::new(),
         loss_mask: Vec::new(),
+        token_mask: Vec::new(),
         position_ids: Vec::new(),
         cu_seqlens: vec![0],
         cu_seqlens_padded: vec![0],
@@ -103,10 +110,25 @@ fn model(samples: &[Sample], opts: &BatchOptions<'_>, u8_masks: &[Vec<u8>]) -> O
     if all_padded > i128::from(i32::MAX) {
         return None;
     }
+    // pad_to_length: positive, a multiple of the multiple, at least the pack; the last sample
+    // absorbs the difference.
+    let tail = match opts.pad_to_length {
+        None => 0,
+        Some(l) => {
+            let l = i128::from(l);
+            if l < 1 || l % multiple != 0 || l < all_padded || l > i128::from(i32::MAX) {
+                return None;
+            }
+            l - all_padded
+        }
+    };
     let (mut total, mut total_padded) = (0i128, 0i128);
     for (k, s) in samples.iter().enumerate() {
         let n = s.tokens.len() as i128;
-        let padded = (n + multiple - 1) / multiple * multiple;
+        let mut padded = (n + multiple - 1) / multiple * multiple;
+        if k + 1 == samples.len() {
+            padded += tail;
+        }
         total += n;
         total_padded += padded;
         if total_padded > i128::from(i32::MAX) {
@@ -151,18 +173,25 @@ fn model(samples: &[Sample], opts: &BatchOptions<'_>, u8_masks: &[Vec<u8>]) -> O
         out.input_ids
             .extend(std::iter::repeat_n(opts.pad_token_id, pad_n));
         for p in 0..s.tokens.len() {
-            let label = if p + 1 < s.tokens.len() && mask[p + 1] {
+            let trained = p + 1 < s.tokens.len() && mask[p + 1];
+            out.labels.push(if trained {
                 s.tokens[p + 1]
             } else {
                 opts.ignore_index
-            };
-            out.labels.push(label);
+            });
+            out.loss_mask.push(trained);
         }
         out.labels
             .extend(std::iter::repeat_n(opts.ignore_index, pad_n));
-        out.loss_mask.extend(&mask);
         out.loss_mask.extend(std::iter::repeat_n(false, pad_n));
+        out.token_mask.extend(&mask);
+        out.token_mask.extend(std::iter::repeat_n(false, pad_n));
         out.position_ids.extend(0..padded as i64);
+    }
+    // ignore_index must not be a token id of the batch.
+    let top = samples.iter().flat_map(|s| s.tokens.iter().copied()).max();
+    if top.is_some_and(|t| (0..=t).contains(&opts.ignore_index)) {
+        return None;
     }
     Some(out)
 }
@@ -193,12 +222,17 @@ pub fn check(data: &[u8]) {
         } else {
             b.wild(-1, 9)
         },
-        ignore_index: b.wild(-101, -99),
+        ignore_index: if b.u8() < 16 {
+            b.wild(0, 60)
+        } else {
+            b.wild(-101, -99)
+        },
         cp_size: if b.u8() == 255 {
             b.wild(1 << 20, 1 << 20)
         } else {
             b.wild(-1, 4)
         },
+        pad_to_length: (b.u8() < 32).then(|| b.wild(-1, 64)),
     };
     let refs: Vec<SampleRef<'_>> = samples
         .iter()
@@ -230,15 +264,33 @@ pub fn check(data: &[u8]) {
             return;
         }
     }
+    if opts
+        .pad_to_length
+        .is_some_and(|l| l > 1 << 22 && l <= i64::from(i32::MAX))
+    {
+        return;
+    }
     let got = build(&refs, &opts);
     let want = model(&samples, &opts, &u8_masks);
     match (got, want) {
         (Ok(g), Some(w)) => {
             assert_eq!(g, w);
             assert!(pm.is_ok());
-            let len = g.input_ids.len();
-            assert!(
-                g.labels.len() == len && g.loss_mask.len() == len && g.position_ids.len() == len
+            let lm: Vec<u8> = g.loss_mask.iter().map(|&b| u8::from(b)).collect();
+            let tm: Vec<u8> = g.token_mask.iter().map(|&b| u8::from(b)).collect();
+            let view = ThdView {
+                input_ids: &g.input_ids,
+                labels: &g.labels,
+                loss_mask: &lm,
+                token_mask: &tm,
+                position_ids: &g.position_ids,
+                cu_seqlens: &g.cu_seqlens,
+                cu_seqlens_padded: &g.cu_seqlens_padded,
+                max_seqlen: g.max_seqlen,
+            };
+            assert_eq!(
+                check_thd(&view, opts.pad_token_id, opts.ignore_index),
+                Ok(())
             );
         }
         (Err(_), None) => {}

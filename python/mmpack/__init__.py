@@ -1,8 +1,8 @@
 """mmpack: deduplicated multimodal media and packed token sequences, with a Rust core.
 
-Submodules: ``mmpack.packing``, ``mmpack.masks``, ``mmpack.batch``, ``mmpack.payload``,
-``mmpack.energon``, ``mmpack.compat.nemo_rl``. ``PackedTensor`` needs torch and is
-imported on first use, so packing and masks work with numpy alone.
+Submodules: ``mmpack.packing``, ``mmpack.masks``, ``mmpack.batch``, ``mmpack.padded_batch``,
+``mmpack.payload``, ``mmpack.energon``, ``mmpack.compat.nemo_rl``. ``PackedTensor`` needs torch
+and is imported on first use, so packing and masks work with numpy alone.
 """
 
 from __future__ import annotations

@@ -29,6 +29,7 @@ class MissingFieldError(BatchError): ...
 class EmptySampleError(BatchError): ...
 class InvalidTokenError(BatchError): ...
 class BatchOptionError(BatchError): ...
+class BatchLayoutError(BatchError): ...
 
 # --- PackedTensor layout ---
 
@@ -192,6 +193,15 @@ def assign_to_ranks(
 ) -> RankResult: ...
 
 # --- mask / batch ---
+_BoolArray: _typing.TypeAlias = numpy.ndarray[Any, numpy.dtype[numpy.bool_]]
+_U8Array: _typing.TypeAlias = numpy.ndarray[Any, numpy.dtype[numpy.uint8]]
+_I32Array: _typing.TypeAlias = numpy.ndarray[Any, numpy.dtype[numpy.int32]]
+#: (input_ids, labels, loss_mask, token_mask, position_ids, cu_seqlens, cu_seqlens_padded,
+#: max_seqlen), the masks as uint8 views
+_ThdArgs: _typing.TypeAlias = tuple[
+    _I64Array, _I64Array, _U8Array, _U8Array, _I64Array, _I32Array, _I32Array, int
+]
+
 @_typing.final
 class ThdLayout:
     @property
@@ -199,15 +209,34 @@ class ThdLayout:
     @property
     def labels(self) -> _I64Array: ...
     @property
-    def loss_mask(self) -> numpy.ndarray[Any, numpy.dtype[numpy.bool_]]: ...
+    def loss_mask(self) -> _BoolArray: ...
+    @property
+    def token_mask(self) -> _BoolArray: ...
     @property
     def position_ids(self) -> _I64Array: ...
     @property
-    def cu_seqlens(self) -> numpy.ndarray[Any, numpy.dtype[numpy.int32]]: ...
+    def cu_seqlens(self) -> _I32Array: ...
     @property
-    def cu_seqlens_padded(self) -> numpy.ndarray[Any, numpy.dtype[numpy.int32]]: ...
+    def cu_seqlens_padded(self) -> _I32Array: ...
     @property
     def max_seqlen(self) -> int: ...
+
+@_typing.final
+class PaddedLayout:
+    @property
+    def input_ids(self) -> _I64Array: ...
+    @property
+    def labels(self) -> _I64Array: ...
+    @property
+    def loss_mask(self) -> _BoolArray: ...
+    @property
+    def token_mask(self) -> _BoolArray: ...
+    @property
+    def position_ids(self) -> _I64Array: ...
+    @property
+    def attention_mask(self) -> _BoolArray: ...
+    @property
+    def lengths(self) -> _I64Array: ...
 
 def validate_mask(
     mask: numpy.ndarray[Any, Any], num_tokens: int, require_trainable: bool, sample: str
@@ -232,9 +261,9 @@ def turn_spans(
 ) -> numpy.ndarray[Any, numpy.dtype[numpy.int64]]: ...
 def build_pack(
     names: list[str],
-    tokens: list[numpy.ndarray[Any, numpy.dtype[numpy.int64]]],
+    tokens: list[_I64Array],
     masks: list[numpy.ndarray[Any, Any] | None],
-    message_lengths: list[list[int] | None],
+    message_lengths: list[_typing.Sequence[int] | None],
     message_roles: list[list[str] | None],
     *,
     precomputed: bool,
@@ -243,7 +272,47 @@ def build_pack(
     pad_to_multiple_of: int,
     ignore_index: int,
     cp_size: int,
+    pad_to_length: int | None,
 ) -> ThdLayout: ...
+def build_padded(
+    names: list[str],
+    tokens: list[_I64Array],
+    masks: list[numpy.ndarray[Any, Any] | None],
+    message_lengths: list[_typing.Sequence[int] | None],
+    message_roles: list[list[str] | None],
+    *,
+    precomputed: bool,
+    train_roles: list[str],
+    pad_token_id: int,
+    pad_to_multiple_of: int,
+    ignore_index: int,
+    cp_size: int,
+    pad_to_length: int | None,
+) -> PaddedLayout: ...
+def check_pack(layout: _ThdArgs, *, pad_token_id: int, ignore_index: int) -> None: ...
+def concat_packs(
+    layouts: list[_ThdArgs],
+    *,
+    pad_token_id: int,
+    ignore_index: int,
+    pad_to_multiple_of: int,
+    cp_size: int,
+    pad_to_length: int | None,
+) -> ThdLayout: ...
+def check_padded(
+    rows: int,
+    width: int,
+    input_ids: _I64Array,
+    labels: _I64Array,
+    loss_mask: _U8Array,
+    token_mask: _U8Array,
+    position_ids: _I64Array,
+    attention_mask: _U8Array,
+    lengths: _I64Array,
+    *,
+    pad_token_id: int,
+    ignore_index: int,
+) -> None: ...
 
 # --- gather ---
 

@@ -1,36 +1,93 @@
-"""Packed SFT batches: many encoded samples into one flat THD sequence for Megatron / NeMo-RL.
+"""Batches for trainers: encoded samples packed into Megatron's THD layout (``pack_samples``),
+several packs as one THD micro-batch (``micro_batch``), or padded ``[B, L]`` rows
+(``mmpack.padded_batch.pad_samples``).
 
-``pack_samples`` builds one pack in a single native call (layout, offsets, gathers, role-derived
-masks and validation run in Rust with the GIL released); this module only converts inputs and
-wraps the outputs as torch tensors (zero-copy from numpy).
+Every field is computed in the Rust core in one native call (layout, masks, labels and checks,
+with the GIL released); this module converts inputs and wraps the outputs as torch tensors
+(zero-copy from numpy). A batch whose fields disagree cannot be built: ``PackedBatch`` and
+``PaddedBatch`` check every rule below when constructed (``BatchLayoutError`` names the field,
+sample and position) and are frozen (``to`` moves every tensor together).
 
-Layout (Megatron's THD format). Sample ``i`` occupies
-``[cu_seqlens_padded[i], cu_seqlens_padded[i] + len_i)`` of every token tensor, followed by
-``padded_len_i - len_i`` padding positions, where ``padded_len_i`` is ``len_i`` rounded up to
+Batch fields. One alignment per field, named for the trainer that reads it; ``p`` is a
+position, ``ignore_index`` the batch's (default ``-100``). Shapes: ``[T]`` for a pack
+(``T = cu_seqlens_padded[-1]``; ``unsqueeze(0)`` where a ``[1, T]`` row is expected), ``[B, L]``
+for padded rows.
+
+====================  =======  ===================================  ==============================
+field                 dtype    alignment                            read by, and how
+====================  =======  ===================================  ==============================
+``input_ids``         int64    the tokens; ``pad_token_id`` on      every model's input
+                               padding
+``labels``            int64    shifted: ``labels[p]`` is token      Megatron GPT: ``labels=``;
+                               ``p + 1`` of the same sample when    Hugging Face:
+                               that token is trainable, else        ``shift_labels=labels`` (with
+                               ``ignore_index`` (so every           ``labels=labels`` for the
+                               sample's last token and all          model to compute a loss; never
+                               padding)                             ``labels=`` alone, which shifts
+                                                                    again); ``cross_entropy(...,
+                                                                    ignore_index=)``
+``loss_mask``         bool     aligned with ``labels``:             Megatron GPT loss:
+                               ``loss_mask[p] == (labels[p] !=      ``sum(losses * loss_mask) /
+                               ignore_index)``, always (a           loss_mask.sum()``
+                               sample's first token and padding
+                               included)
+``token_mask``        bool     aligned with ``input_ids``: the      NeMo-RL NLL: ``token_mask[1:]``
+                               token at ``p`` is trainable (0 on    with ``logits[:-1]`` and
+                               padding)                             ``input_ids[1:]``, per sample
+                                                                    (``cu_seqlens_padded``) or row
+``position_ids``      int64    restart at 0 per sample (row),       Hugging Face
+                               count on through its padding         ``position_ids=`` (a pack:
+                                                                    sample boundaries for
+                                                                    sdpa / eager / flash
+                                                                    attention); Megatron RoPE
+``cu_seqlens``        int32    ``[n + 1]`` sample offsets without   ``PackedSeqParams.cu_seqlens_q
+                               padding                              / kv``; flash-attn varlen
+``cu_seqlens_padded`` int32    ``[n + 1]`` sample offsets with      ``PackedSeqParams.cu_seqlens_q
+                               padding: sample ``i`` starts at      / kv_padded``; slicing logits
+                               ``cu_seqlens_padded[i]``             per sample
+``max_seqlen``        int      the longest padded sample            ``PackedSeqParams.max_seqlen_q
+                                                                    / kv``
+``attention_mask``    bool     padded rows only: ``p <              Hugging Face
+                               lengths[r]`` (from the lengths,      ``attention_mask=``
+                               never from token values)
+``lengths``           int64    padded rows only: tokens per row     NeMo-RL ``input_lengths``
+====================  =======  ===================================  ==============================
+
+``loss_mask.sum()`` (equal to ``(labels != ignore_index).sum()``) is the number of predictions
+trained on; ``token_mask.sum()`` also counts trainable first tokens, which no prediction in the
+sample can reach.
+
+Layout (THD). Sample ``i`` occupies ``[cu_seqlens_padded[i], cu_seqlens_padded[i] + len_i)``,
+followed by ``padded_len_i - len_i`` padding positions: ``len_i`` rounded up to
 ``pad_to_multiple_of`` and, when ``cp_size > 1``, to the least common multiple of that and
-``2 * cp_size`` (each sequence must split into ``2 * cp_size`` equal chunks for Megatron's
-load-balanced context parallelism). The tensors hold the whole pack; sharding by CP rank is the
-trainer's job.
+``2 * cp_size`` (each sequence splits into ``2 * cp_size`` equal chunks for Megatron's
+load-balanced context parallelism). With ``pad_to_length`` (one shape per micro-batch, as
+pipeline parallelism needs) the last sample also absorbs the padding up to that total. The
+tensors hold the whole pack; sharding by CP rank is the trainer's job.
 
-Labels (next-token targets), stated exactly: for a position ``p`` of sample ``i``,
-``labels[p] = input_ids[p + 1]`` when ``p + 1`` is still inside sample ``i`` (not padding, not
-the next sample) **and** ``loss_mask[p + 1] == 1``; otherwise ``labels[p] = ignore_index``.
-The mask at a token gates the label that *predicts* that token, so the worked example (7 tokens,
-mask ``[0,0,0,0,1,1,1]``) trains the predictions of tokens 4, 5 and 6, made at positions 3, 4
-and 5; the last token of every sample and every padding position get ``ignore_index``. Both
-``loss_mask_mode`` values give the same labels for the same mask.
+Worked example (7 tokens, the assistant's answer is tokens 4-6): ``token_mask`` is
+``[0,0,0,0,1,1,1]``, ``labels`` ``[-100,-100,-100,t4,t5,t6,-100]`` and ``loss_mask``
+``[0,0,0,1,1,1,0]``: the predictions of tokens 4, 5 and 6, made at positions 3, 4 and 5. Both
+``loss_mask_mode`` values give the same fields for the same mask.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 
 from mmpack import _native
+from mmpack._batch_fields import (
+    check_scalars,
+    check_tensor_fields,
+    host_array,
+    merge_keyed_media,
+    move_fields,
+)
 from mmpack._coerce import (
     bools_as_bytes,
     int64_array,
@@ -40,12 +97,12 @@ from mmpack._coerce import (
     sample_name,
     tensor_numpy,
 )
-from mmpack.errors import BatchMediaError, BatchOptionError
+from mmpack.errors import BatchLayoutError, BatchOptionError, EmptySampleError
 
 if TYPE_CHECKING:
     from mmpack.packed import PackedTensor
 
-__all__ = ["EncodedSample", "PackedBatch", "merge_media", "pack_samples"]
+__all__ = ["EncodedSample", "PackedBatch", "merge_media", "micro_batch", "pack_samples"]
 
 _MEGATRON_EXTRA = "pip install 'mmpack[megatron]'"
 
@@ -55,10 +112,12 @@ class EncodedSample:
     """One tokenized sample, ready to pack.
 
     ``token_ids``: 1-D integer ids (numpy array, torch tensor or sequence). ``loss_mask``: one
-    0/1 value per token, used when ``loss_mask_mode="precomputed"``. ``message_lengths`` and
-    ``message_roles``: per-message token counts (summing to the token count) and role names,
-    used when the mask is derived from roles (``loss_mask_mode=None``). ``media``: per key, a
-    ``PackedTensor`` of this sample's media (for example ``pixel_values``).
+    0/1 value per token, aligned with ``token_ids`` (1: the token is trained on), used when
+    ``loss_mask_mode="precomputed"``; it becomes the batch's ``token_mask``, and the batch's
+    ``loss_mask`` is it shifted onto ``labels``. ``message_lengths`` and ``message_roles``:
+    per-message token counts (summing to the token count) and role names, used when the mask
+    is derived from roles (``loss_mask_mode=None``). ``media``: per key, a ``PackedTensor`` of
+    this sample's media (for example ``pixel_values``).
     """
 
     sample_id: Hashable
@@ -69,39 +128,91 @@ class EncodedSample:
     media: dict[str, PackedTensor] | None = None
 
 
-@dataclasses.dataclass
-class PackedBatch:
-    """One pack in Megatron's THD layout (see the module docstring for layout and labels).
+_THD_DTYPES = {
+    "input_ids": torch.int64,
+    "labels": torch.int64,
+    "loss_mask": torch.bool,
+    "token_mask": torch.bool,
+    "position_ids": torch.int64,
+    "cu_seqlens": torch.int32,
+    "cu_seqlens_padded": torch.int32,
+}
 
-    Token tensors are flat ``[T]`` (``T = cu_seqlens_padded[-1]``; add the batch dim with
-    ``unsqueeze(0)`` where a ``[1, T]`` row is expected): ``input_ids`` (int64, padding is
-    ``pad_token_id``), ``labels`` (int64), ``loss_mask`` (bool, aligned with ``input_ids``: the
-    sample's mask, 0 on padding), ``position_ids`` (int64, restart at 0 per sample and count on
-    through its padding). ``cu_seqlens`` / ``cu_seqlens_padded``: int32 ``[n + 1]`` offsets
-    without / with the per-sample padding. ``max_seqlen``: the longest padded sample.
-    ``sample_ids``: the samples in pack order. ``media``: per key, the samples' values merged
-    with ``PackedTensor.merge_segments`` in sample order (one logical row per pack when
-    deduplication is on; equal provenance shares one physical segment).
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PackedBatch:
+    """One pack (or micro-batch) in Megatron's THD layout; every field is described in the
+    module docstring's table.
+
+    Token tensors are flat ``[T]``: ``input_ids``, ``labels``, ``loss_mask`` (aligned with
+    ``labels``), ``token_mask`` (aligned with ``input_ids``), ``position_ids``.
+    ``cu_seqlens`` / ``cu_seqlens_padded``: int32 ``[n + 1]``. ``max_seqlen``: the longest
+    padded sample. ``sample_ids``: the samples in pack order. ``media``: per key, the samples'
+    values merged with ``PackedTensor.merge_segments`` in sample order (one logical row per
+    pack when deduplication is on; equal provenance shares one physical segment).
+    ``pad_token_id`` / ``ignore_index``: what the padding and the untrained labels hold.
+
+    Constructing one checks every field against the others (``BatchLayoutError``; ``TypeError``
+    for a wrong dtype or shape); tensors off the host are checked on a host copy, ``meta``
+    tensors (no values) for dtype and shape only. Frozen: fields are not reassigned, ``to``
+    moves them all at once.
     """
 
     input_ids: torch.Tensor
     labels: torch.Tensor
     loss_mask: torch.Tensor
+    token_mask: torch.Tensor
     position_ids: torch.Tensor
     cu_seqlens: torch.Tensor
     cu_seqlens_padded: torch.Tensor
     max_seqlen: int
     sample_ids: list[Hashable]
     media: dict[str, Any] = dataclasses.field(default_factory=dict)
+    pad_token_id: int = 0
+    ignore_index: int = -100
 
-    _TENSOR_FIELDS = (
-        "input_ids",
-        "labels",
-        "loss_mask",
-        "position_ids",
-        "cu_seqlens",
-        "cu_seqlens_padded",
-    )
+    _TENSOR_FIELDS = tuple(_THD_DTYPES)
+
+    def __post_init__(self) -> None:
+        check_tensor_fields(self, _THD_DTYPES, ndim=1)
+        check_scalars(self)
+        if len(self.sample_ids) != len(self.cu_seqlens) - 1:
+            raise BatchLayoutError(
+                f"inconsistent batch: {len(self.sample_ids)} sample_ids for "
+                f"{len(self.cu_seqlens) - 1} samples in cu_seqlens"
+            )
+        if self.input_ids.device.type != "meta":
+            _native.check_pack(
+                self._layout_args(),
+                pad_token_id=self.pad_token_id,
+                ignore_index=self.ignore_index,
+            )
+
+    @classmethod
+    def _unchecked(cls, **fields: Any) -> PackedBatch:
+        """A batch from fields the core built (and so already agree): skips the re-check."""
+        batch = object.__new__(cls)
+        batch.__dict__.update(fields)  # frozen: no setattr
+        return batch
+
+    @classmethod
+    def _from_layout(cls, out: _native.ThdLayout, **rest: Any) -> PackedBatch:
+        return cls._unchecked(
+            input_ids=torch.from_numpy(out.input_ids),
+            labels=torch.from_numpy(out.labels),
+            loss_mask=torch.from_numpy(out.loss_mask),
+            token_mask=torch.from_numpy(out.token_mask),
+            position_ids=torch.from_numpy(out.position_ids),
+            cu_seqlens=torch.from_numpy(out.cu_seqlens),
+            cu_seqlens_padded=torch.from_numpy(out.cu_seqlens_padded),
+            max_seqlen=int(out.max_seqlen),
+            **rest,
+        )
+
+    def _layout_args(self) -> tuple[Any, ...]:
+        """The arrays as the native checks read them (host numpy, masks as bytes)."""
+        arrays = [host_array(getattr(self, name), name) for name in self._TENSOR_FIELDS]
+        return (*arrays, int(self.max_seqlen))
 
     def __len__(self) -> int:
         """The number of samples in the pack."""
@@ -116,20 +227,7 @@ class PackedBatch:
         any other device the copy is blocking, since a non-blocking copy to the host can be
         read before it has completed.
         """
-        from mmpack import _transfer
-        from mmpack.packed import PackedTensor as Packed
-
-        fields = self._TENSOR_FIELDS
-        moved = _transfer.move_segments(
-            [getattr(self, name) for name in fields], device, non_blocking=non_blocking
-        )
-        for name, tensor in zip(fields, moved, strict=True):
-            setattr(self, name, tensor)
-        for value in self.media.values():
-            if isinstance(value, Packed):  # unique segments cross once (mmpack._transfer)
-                value.to(device, non_blocking=non_blocking)
-            else:
-                value.to(device)
+        move_fields(self, self._TENSOR_FIELDS, device, non_blocking)
         return self
 
     def packed_seq_params(self) -> Any:
@@ -157,6 +255,9 @@ class PackedBatch:
         )
 
 
+# ----------------------------------------------------------------------------- media
+
+
 def merge_media(samples: Sequence[EncodedSample]) -> dict[str, Any]:
     """Per key, the samples' media merged with ``merge_segments`` of their ``PackedTensor``
     class, in sample order; samples without the key contribute nothing.
@@ -165,60 +266,31 @@ def merge_media(samples: Sequence[EncodedSample]) -> dict[str, Any]:
     classes), and ``BatchMediaError`` naming the key and samples when the merge fails (for
     example different ``dim_to_pack``).
     """
-    per_key: dict[str, list[Any]] = {}
-    owners: dict[str, list[Hashable]] = {}
-    for s in samples:
-        if not s.media:
-            continue
-        for key, value in s.media.items():
-            per_key.setdefault(key, []).append(value)
-            owners.setdefault(key, []).append(s.sample_id)
-    merged: dict[str, Any] = {}
-    for key, values in per_key.items():
-        cls = type(values[0])
-        for value, owner in zip(values, owners[key], strict=True):
-            if type(value) is not cls or not hasattr(cls, "merge_segments"):
-                raise TypeError(
-                    f"media key {key!r} of sample {sample_name(owner)} is a "
-                    f"{type(value).__name__}; every media value of a key must be a PackedTensor "
-                    f"of one class ({cls.__name__} first)"
-                )
-        try:
-            merged[key] = cls.merge_segments(values)
-        except Exception as exc:
-            names = ", ".join(sample_name(o) for o in owners[key])
-            raise BatchMediaError(
-                f"cannot merge media key {key!r} across samples [{names}]: {exc}"
-            ) from exc
-    return merged
+    return merge_keyed_media(
+        [s.sample_id for s in samples],
+        [s.media for s in samples],
+        "merge_segments",
+        name=sample_name,
+    )
 
 
-def pack_samples(
+# ----------------------------------------------------------------------------- builders
+
+
+def build_native(
+    build: Callable[..., Any],
     samples: Sequence[EncodedSample],
     *,
-    loss_mask_mode: str | None = None,
-    train_roles: Sequence[str] = ("assistant",),
-    pad_token_id: int = 0,
-    pad_to_multiple_of: int = 1,
-    ignore_index: int = -100,
-    cp_size: int = 1,
-) -> PackedBatch:
-    """Pack ``samples`` (in order) into one THD sequence; see the module docstring.
-
-    ``loss_mask_mode=None``: each sample's mask is derived from ``message_lengths`` and
-    ``message_roles`` (roles in ``train_roles`` are trained on; ``loss_mask`` is ignored).
-    ``loss_mask_mode="precomputed"``: each sample's own ``loss_mask`` is validated (length equal
-    to its token count, values only 0/1) and used (message fields are ignored).
-
-    Errors (typed, naming the sample): ``EmptySampleError`` for an empty list or a sample
-    without tokens; ``MissingFieldError`` when a sample lacks what its mode needs;
-    ``LossMaskError`` / ``MessageSpanError`` for a bad mask or inconsistent message spans;
-    ``InvalidTokenError`` for a negative token id; ``IndexOverflowError`` for a token id or
-    message length beyond int64; ``BatchOptionError`` for options out of range (int64
-    included); ``BatchMediaError`` / ``TypeError`` for media that cannot be merged.
-    ``TypeError`` too for an item that is not an ``EncodedSample``, a field of the wrong type
-    or a ``meta`` tensor (it has no values).
-    """
+    loss_mask_mode: str | None,
+    train_roles: Sequence[str],
+    pad_token_id: int,
+    pad_to_multiple_of: int,
+    ignore_index: int,
+    cp_size: int,
+    pad_to_length: int | None,
+) -> tuple[Any, list[EncodedSample]]:
+    """Check the options, convert the samples and run the native builder ``build``
+    (``build_pack`` or ``build_padded``); returns its result and the samples as a list."""
     if loss_mask_mode not in (None, "precomputed"):
         raise BatchOptionError(
             f"invalid loss_mask_mode: {loss_mask_mode!r} (expected None or 'precomputed')"
@@ -231,6 +303,10 @@ def pack_samples(
         pad_to_multiple_of, "pad_to_multiple_of", error=BatchOptionError, minimum=1
     )
     cp_size = option_int(cp_size, "cp_size", error=BatchOptionError, minimum=1)
+    if pad_to_length is not None:
+        pad_to_length = option_int(
+            pad_to_length, "pad_to_length", error=BatchOptionError, minimum=1
+        )
 
     samples = list(samples)
     for i, s in enumerate(samples):
@@ -250,7 +326,7 @@ def pack_samples(
         lengths = [_lengths(s) for s in samples]
         roles = [s.message_roles for s in samples]
     try:
-        out = _native.build_pack(
+        out = build(
             names,
             tokens,
             masks,
@@ -262,6 +338,7 @@ def pack_samples(
             pad_to_multiple_of=pad_to_multiple_of,
             ignore_index=ignore_index,
             cp_size=cp_size,
+            pad_to_length=pad_to_length,
         )
     except (TypeError, OverflowError):
         # a wrong type or an int beyond int64 in a message field: name the sample
@@ -269,18 +346,134 @@ def pack_samples(
             for s in samples:
                 _check_messages(s)
         raise
-    return PackedBatch(
-        input_ids=torch.from_numpy(out.input_ids),
-        labels=torch.from_numpy(out.labels),
-        loss_mask=torch.from_numpy(out.loss_mask),
-        position_ids=torch.from_numpy(out.position_ids),
-        cu_seqlens=torch.from_numpy(out.cu_seqlens),
-        cu_seqlens_padded=torch.from_numpy(out.cu_seqlens_padded),
-        max_seqlen=int(out.max_seqlen),
+    return out, samples
+
+
+def pack_samples(
+    samples: Sequence[EncodedSample],
+    *,
+    loss_mask_mode: str | None = None,
+    train_roles: Sequence[str] = ("assistant",),
+    pad_token_id: int = 0,
+    pad_to_multiple_of: int = 1,
+    ignore_index: int = -100,
+    cp_size: int = 1,
+    pad_to_length: int | None = None,
+) -> PackedBatch:
+    """Pack ``samples`` (in order) into one THD sequence; see the module docstring.
+
+    ``loss_mask_mode=None``: each sample's mask is derived from ``message_lengths`` and
+    ``message_roles`` (roles in ``train_roles`` are trained on; ``loss_mask`` is ignored).
+    ``loss_mask_mode="precomputed"``: each sample's own ``loss_mask`` is validated (length equal
+    to its token count, values only 0/1) and used (message fields are ignored).
+    ``pad_to_length``: the total length of the pack (a multiple of the padding multiple); the
+    last sample absorbs the padding.
+
+    Errors (typed, naming the sample or argument): ``EmptySampleError`` for an empty list or a
+    sample without tokens; ``MissingFieldError`` when a sample lacks what its mode needs;
+    ``LossMaskError`` / ``MessageSpanError`` for a bad mask or inconsistent message spans;
+    ``InvalidTokenError`` for a negative token id; ``IndexOverflowError`` for a token id or
+    message length beyond int64; ``BatchOptionError`` for options out of range (int64
+    included), a negative ``pad_token_id``, an ``ignore_index`` in ``[0, largest token id of
+    the batch]`` (a label equal to it would silently leave the loss) or a pack longer than
+    ``pad_to_length``; ``BatchMediaError`` / ``TypeError`` for media that cannot be merged.
+    ``TypeError`` too for an item that is not an ``EncodedSample``, a field of the wrong type
+    (bools as ``message_lengths`` included) or a ``meta`` tensor (it has no values).
+    """
+    out, samples = build_native(
+        _native.build_pack,
+        samples,
+        loss_mask_mode=loss_mask_mode,
+        train_roles=train_roles,
+        pad_token_id=pad_token_id,
+        pad_to_multiple_of=pad_to_multiple_of,
+        ignore_index=ignore_index,
+        cp_size=cp_size,
+        pad_to_length=pad_to_length,
+    )
+    return PackedBatch._from_layout(
+        out,
         sample_ids=[s.sample_id for s in samples],
         media=merge_media(samples),
+        pad_token_id=int(pad_token_id),
+        ignore_index=int(ignore_index),
     )
 
+
+def micro_batch(
+    packs: Sequence[PackedBatch],
+    *,
+    pad_to_length: int | None = None,
+    pad_to_multiple_of: int = 1,
+    cp_size: int = 1,
+) -> PackedBatch:
+    """Several packs as one THD micro-batch (``batch_size > 1`` packs per step): their samples
+    in order in one ``[T]`` sequence, offsets shifted, media merged per key.
+
+    ``pad_to_length``: the micro-batch's total length (one shape for every micro-batch, as
+    pipeline parallelism needs); the last sample absorbs the padding. ``pad_to_multiple_of`` /
+    ``cp_size``: the padding the packs were built with; every sample must be padded to that
+    multiple (each sequence splits into ``2 * cp_size`` chunks for context parallelism), and
+    ``pad_to_length`` must be one too. ``cu_seqlens`` / ``cu_seqlens_padded`` / ``max_seqlen``
+    then fit ``packed_seq_params()`` for that choice.
+
+    Packs are joined on the host (join first, then ``.to(device)``). Errors:
+    ``EmptySampleError`` for no packs; ``TypeError`` for an item that is not a
+    ``PackedBatch`` or a pack off the host; ``BatchOptionError`` for options out of range, packs
+    with different ``pad_token_id`` / ``ignore_index``, or packs longer than ``pad_to_length``;
+    ``BatchLayoutError`` naming the pack whose fields disagree or whose samples are not padded
+    to the multiple.
+    """
+    packs = list(packs)
+    if not packs:
+        raise EmptySampleError("micro_batch needs at least one pack, got none")
+    for i, p in enumerate(packs):
+        if not isinstance(p, PackedBatch):
+            raise TypeError(f"packs[{i}] is a {type(p).__name__}, not a PackedBatch")
+        if p.input_ids.device.type != "cpu":
+            raise TypeError(
+                f"packs[{i}] is on {p.input_ids.device}; join packs on the host, then move "
+                "the micro-batch with .to(device)"
+            )
+    first = packs[0]
+    for i, p in enumerate(packs):
+        for name in ("pad_token_id", "ignore_index"):
+            if getattr(p, name) != getattr(first, name):
+                raise BatchOptionError(
+                    f"invalid packs: packs[{i}] has {name}={getattr(p, name)}, packs[0] "
+                    f"{getattr(first, name)}; a micro-batch has one of each"
+                )
+    pad_to_multiple_of = option_int(
+        pad_to_multiple_of, "pad_to_multiple_of", error=BatchOptionError, minimum=1
+    )
+    cp_size = option_int(cp_size, "cp_size", error=BatchOptionError, minimum=1)
+    if pad_to_length is not None:
+        pad_to_length = option_int(
+            pad_to_length, "pad_to_length", error=BatchOptionError, minimum=1
+        )
+    out = _native.concat_packs(
+        [p._layout_args() for p in packs],
+        pad_token_id=first.pad_token_id,
+        ignore_index=first.ignore_index,
+        pad_to_multiple_of=pad_to_multiple_of,
+        cp_size=cp_size,
+        pad_to_length=pad_to_length,
+    )
+    return PackedBatch._from_layout(
+        out,
+        sample_ids=[sid for p in packs for sid in p.sample_ids],
+        media=merge_keyed_media(
+            range(len(packs)),
+            [p.media for p in packs],
+            "merge_segments",
+            what=("pack", "packs"),
+        ),
+        pad_token_id=first.pad_token_id,
+        ignore_index=first.ignore_index,
+    )
+
+
+# ----------------------------------------------------------------------------- sample fields
 
 _I64 = np.dtype(np.int64)
 
@@ -312,6 +505,8 @@ _TORCH_NATIVE_MASK = frozenset(
 
 
 def _lengths(s: EncodedSample) -> Any:
+    """``message_lengths`` as the native call reads it: a list or tuple as it is (bools are
+    refused there, naming the sample), arrays and tensors as lists."""
     x = s.message_lengths
     if x is None or type(x) is list or type(x) is tuple:
         return x

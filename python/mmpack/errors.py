@@ -36,6 +36,7 @@ from mmpack._native import (
     PackingError,
     # --- batch ---
     BatchError,
+    BatchLayoutError,
     BatchOptionError,
     EmptySampleError,
     InvalidTokenError,
@@ -179,6 +180,7 @@ __all__ = [
     "PackingError",
     # --- batch ---
     "BatchError",
+    "BatchLayoutError",
     "BatchMediaError",
     "BatchOptionError",
     "ChatTemplateError",

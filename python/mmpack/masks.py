@@ -1,9 +1,10 @@
 """Loss masks: derive them from message roles or fragment spans, validate them, find turns.
 
-A loss mask has one entry per token: 1 where the token is a training *target*, 0 elsewhere.
-``mmpack.batch.pack_samples`` turns it into next-token labels (the mask at a token gates the
-label that predicts it). Every function here runs in the Rust core; masks come back as 1-D numpy
-``bool`` arrays.
+A loss mask here has one entry per token, aligned with the token ids: 1 where the token is a
+training *target*, 0 elsewhere. The batch builders (``mmpack.batch``) keep it as the batch's
+``token_mask`` and shift it onto the labels: ``labels[p]`` is token ``p + 1`` where that token is
+trainable, and the batch's ``loss_mask`` is ``labels != ignore_index`` (Megatron's alignment).
+Every function here runs in the Rust core; masks come back as 1-D numpy ``bool`` arrays.
 
 Errors are typed and name the sample: ``LossMaskError`` (length, values, no trainable token),
 its subclass ``MessageSpanError`` (message / fragment lengths inconsistent with the roles, the

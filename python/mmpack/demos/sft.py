@@ -271,13 +271,13 @@ def run_pipeline(
                             int(pack.input_ids.sum()),
                             int(pack.labels.sum()),
                             int(pack.loss_mask.sum()),
+                            int(pack.token_mask.sum()),
                             tuple(pack.cu_seqlens.tolist()),
                         )
                     )
             else:
-                ids = batch.padded["input_ids"]
-                width = ids.shape[1]
-                for row in batch.padded["attention_mask"]:
+                width = batch.padded.input_ids.shape[1]
+                for row in batch.padded.attention_mask:
                     result.fills.append(int(row.sum()) / width)
             bar.update(len(batch.sample_keys))
     result.seconds = time.perf_counter() - start

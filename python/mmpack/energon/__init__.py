@@ -2,9 +2,10 @@
 startup validation, failure handling and a synthetic dataset writer.
 
 Modules: `task_encoder` (`PackingTaskEncoder`, the Energon hooks), `conversation` (the default
-chat markup), `policy` (skips, consecutive-skip guard, finite failure tolerance), `padded_batch`
-(the no-packing batch), `config`, `cookers`, `media`, `samples`, `stats`, `loader`,
-`validation`, `synthetic` (a dataset writer) and `testing` (helpers for tests).
+chat markup), `policy` (skips, consecutive-skip guard, finite failure tolerance), `config`,
+`cookers`, `media`, `samples`, `stats`, `loader`, `validation`, `synthetic` (a dataset writer)
+and `testing` (helpers for tests). Batches are built by `mmpack.batch` (packs) and
+`mmpack.padded_batch` (the no-packing rows).
 
 Needs the extra ``mmpack[energon]`` (``megatron-energon`` and ``torch``).
 

@@ -2,7 +2,9 @@
 
 `Conversation` (cooked, media lazy) -> `EncodedConversation` (tokens, mask inputs, media handles;
 after `postencode_sample` also the decoded media) -> `SftPack` (one `mmpack.batch.PackedBatch`) ->
-`SftBatch` (``batch_size`` packs, or padded rows when packing is off).
+`SftBatch` (``batch_size`` packs, or one `mmpack.padded_batch.PaddedBatch` when packing is off).
+The batch fields (``labels``, ``loss_mask``, ``token_mask``, ...) are those of the table in the
+`mmpack.batch` docstring.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class EncodedConversation(Sample):
     """Tokens and mask inputs of one conversation; media still lazy until `postencode_sample`."""
 
     token_ids: Any  # np.ndarray[int64]
+    #: one 0/1 per token, aligned with `token_ids` (the batch's ``token_mask``), or None
     loss_mask: Any  # np.ndarray[int8] or None (roles mode)
     message_lengths: Any  # np.ndarray[int64] or None (precomputed mode)
     message_roles: list[str] | None
@@ -73,10 +76,29 @@ class SftPack(Sample):
 
 @edataclass
 class SftBatch(Batch):
-    """What the trainer receives: `packs` (packing on) or `padded` rows (packing off)."""
+    """What the trainer receives: `packs` (packing on: ``batch_size`` `PackedBatch` es;
+    `micro_batch` joins them into one THD micro-batch) or `padded` rows (packing off: one
+    `PaddedBatch`)."""
 
     sample_keys: list[str]
     num_tokens: int
     token_slots: int
     packs: list[Any] | None = None
-    padded: dict[str, Any] | None = None
+    padded: Any = None  # mmpack.padded_batch.PaddedBatch
+
+    def micro_batch(
+        self, *, pad_to_length: int | None = None, pad_to_multiple_of: int = 1, cp_size: int = 1
+    ) -> Any:
+        """The packs as one THD `PackedBatch` (`mmpack.batch.micro_batch`): pass the encoder's
+        ``pad_to_multiple_of`` / ``cp_size`` and, for pipeline parallelism, the fixed
+        ``pad_to_length`` of every micro-batch."""
+        from mmpack.batch import micro_batch
+
+        if self.packs is None:
+            raise TypeError("SftBatch.micro_batch() needs packs; this batch holds padded rows")
+        return micro_batch(
+            self.packs,
+            pad_to_length=pad_to_length,
+            pad_to_multiple_of=pad_to_multiple_of,
+            cp_size=cp_size,
+        )

@@ -36,7 +36,6 @@ from mmpack.energon.chat_template import TemplateMedia, encode_with_chat_templat
 from mmpack.energon.config import PackingEncoderConfig
 from mmpack.energon.cookers import default_cookers
 from mmpack.energon.media import MEDIA_KEYS, MediaHandle, MediaSettings
-from mmpack.energon.padded_batch import build_padded
 from mmpack.energon.policy import (
     ConsecutiveSkipGuard,
     check_conversation,
@@ -53,8 +52,14 @@ from mmpack.energon.validation import (
     resolve_conversation_format,
     resolve_media_settings,
 )
-from mmpack.errors import EnergonConfigError, MediaTokenCountError, UndeclaredModalityError
+from mmpack.errors import (
+    BatchOptionError,
+    EnergonConfigError,
+    MediaTokenCountError,
+    UndeclaredModalityError,
+)
 from mmpack.packing import pack
+from mmpack.padded_batch import PaddedBatch, pad_samples
 
 __all__ = ["PackingTaskEncoder"]
 
@@ -153,6 +158,7 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
             )
             check_chat_template(self.encode_conversation, cfg.modalities)
         self._probe_packer()
+        self._probe_batch_options()
         check_hooks(
             self,
             restored_hooks=self.RESTORED_HOOKS,
@@ -177,6 +183,16 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
             raise EnergonConfigError(
                 f"packing options rejected by {self.packer_name}: {type(err).__name__}: {err}"
             ) from err
+
+    def _probe_batch_options(self) -> None:
+        """Fail at construction (not in a worker) if the batch options are invalid (a negative
+        ``pad_token_id``, an ``ignore_index`` equal to it): one padding token through the
+        batch builder."""
+        probe = EncodedSample("probe", [self.config.pad_token_id], loss_mask=[1])
+        try:
+            pack_samples([probe], **{**self.pack_options(), "loss_mask_mode": "precomputed"})
+        except BatchOptionError as err:
+            raise EnergonConfigError(f"batch options rejected by pack_samples: {err}") from err
 
     def dataset_options(self) -> dict[str, int]:
         """The packing options of ``get_train_dataset`` / ``get_val_dataset`` that must match
@@ -253,7 +269,8 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
         )
 
     def pack_options(self) -> dict[str, Any]:
-        """The keyword options of `mmpack.batch.pack_samples` taken from the config."""
+        """The keyword options of `mmpack.batch.pack_samples` (and of
+        `mmpack.padded_batch.pad_samples`) taken from the config."""
         cfg = self.config
         return {
             "loss_mask_mode": cfg.loss_mask_mode,
@@ -268,9 +285,10 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
         """`PackedBatch` of decoded samples (`mmpack.batch.pack_samples`)."""
         return pack_samples([self.to_encoded_sample(s) for s in samples], **self.pack_options())
 
-    def build_padded(self, samples: Sequence[EncodedConversation]) -> dict[str, Any]:
-        """Rows padded to the longest sample (the no-packing path)."""
-        return build_padded(samples, self.config, self.packed_tensor_type)
+    def build_padded(self, samples: Sequence[EncodedConversation]) -> PaddedBatch:
+        """Rows padded to the longest sample, rounded up to the padding multiple (the
+        no-packing path; `mmpack.padded_batch.pad_samples`)."""
+        return pad_samples([self.to_encoded_sample(s) for s in samples], **self.pack_options())
 
     # ------------------------------------------------------------------ Energon hooks
 
@@ -455,7 +473,7 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
             __sources__=tuple(src for s in samples for src in (s.__sources__ or ())),
             sample_keys=[s.__key__ for s in samples],
             num_tokens=sum(s.num_tokens for s in samples),
-            token_slots=int(padded["input_ids"].numel()),
+            token_slots=int(padded.input_ids.numel()),
             padded=padded,
         )
 

@@ -64,6 +64,7 @@ def pack_digest(pack: Any) -> tuple[Any, ...]:
         _tensor_list(pack.input_ids),
         _tensor_list(pack.labels),
         _tensor_list(pack.loss_mask),
+        _tensor_list(pack.token_mask),
         _tensor_list(pack.position_ids),
         _tensor_list(pack.cu_seqlens),
         _tensor_list(pack.cu_seqlens_padded),
@@ -73,9 +74,8 @@ def pack_digest(pack: Any) -> tuple[Any, ...]:
 
 
 def batch_digest(batch: Any) -> tuple[Any, ...]:
-    """`pack_digest` of every pack of an `SftBatch` (or its padded tensors)."""
+    """`pack_digest` of every pack of an `SftBatch` (or its padded rows' tensors)."""
     if batch.packs is not None:
         return tuple(pack_digest(p) for p in batch.packs)
-    return tuple(
-        (k, _tensor_list(v)) for k, v in sorted(batch.padded.items()) if hasattr(v, "tolist")
-    )
+    padded = batch.padded
+    return tuple((name, _tensor_list(getattr(padded, name))) for name in padded._TENSOR_FIELDS)

@@ -1,19 +1,29 @@
-//! Packed sequence layout: cu_seqlens, padded cu_seqlens, position ids, flat gathers of token /
-//! label / mask arrays.
+//! Batch layouts for trainers: one THD pack (Megatron's packed format), several packs as one
+//! THD micro-batch, and padded `[rows, width]` rows. Every field is computed here, once, with
+//! one alignment per field:
 //!
-//! Layout (Megatron THD): sample `i` occupies
-//! `[cu_seqlens_padded[i], cu_seqlens_padded[i] + len_i)` of the flat arrays, followed by
-//! `padded_len_i - len_i` padding positions. `padded_len_i` rounds `len_i` up to
-//! `pad_to_multiple_of`, and (when `cp_size > 1`) to the least common multiple of that and
-//! `2 * cp_size`.
+//! - `labels[p]`: shifted. `input_ids[p + 1]` when `p + 1` is inside the same sample and that
+//!   token is trainable, else `ignore_index` (every sample's last token and all padding).
+//! - `loss_mask[p]`: aligned with `labels` (Megatron's GPT loss): `labels[p] != ignore_index`.
+//! - `token_mask[p]`: aligned with `input_ids` (NeMo-RL): the token at `p` is trainable.
+//! - `position_ids`: restart at 0 per sample and count on through its padding.
+//! - padded rows: `attention_mask[r, p] = p < lengths[r]`, from the lengths, never from tokens.
 //!
-//! Labels are next-token targets gated by the mask at the *target* position:
-//! `labels[p] = input_ids[p + 1]` when `p + 1` is inside the same sample and
-//! `loss_mask[p + 1] == 1`, else `ignore_index`. So the last token of every sample and every
-//! padding position get `ignore_index`, and a mask of `[0, 0, 1]` trains exactly one
-//! prediction: the third token, predicted at position 1.
+//! THD layout: sample `i` occupies `[cu_seqlens_padded[i], cu_seqlens_padded[i] + len_i)`,
+//! followed by `padded_len_i - len_i` padding positions; `padded_len_i` rounds `len_i` up to
+//! the padding multiple (`pad_to_multiple_of`, and with `cp_size > 1` the least common multiple
+//! of that and `2 * cp_size`). With `pad_to_length` the last sample also absorbs the padding up
+//! to that total (Megatron's pipeline parallelism needs one shape per micro-batch).
+//!
+//! `ignore_index` must not be a token id of the batch (else a label equal to it would silently
+//! leave the loss), and `pad_token_id` must be a token id (non-negative). [`check`] re-checks
+//! every rule on layouts built elsewhere.
 use crate::error::{CoreError, CoreResult};
 use crate::mask::{self, MaskView};
+
+pub mod check;
+
+pub use check::{check_padded, check_thd, PaddedView, ThdView};
 
 /// Who provides the loss mask.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -30,6 +40,7 @@ pub struct SampleRef<'a> {
     /// How errors name the sample.
     pub name: &'a str,
     pub tokens: &'a [i64],
+    /// One 0/1 value per token (aligned with `tokens`), read in precomputed mode.
     pub mask: Option<MaskView<'a>>,
     pub message_lengths: Option<&'a [i64]>,
     pub message_roles: Option<&'a [String]>,
@@ -43,18 +54,41 @@ pub struct BatchOptions<'a> {
     pub pad_to_multiple_of: i64,
     pub ignore_index: i64,
     pub cp_size: i64,
+    /// THD: the total length of the pack; padded: the width of every row. `None`: as short as
+    /// the samples and the padding multiple allow.
+    pub pad_to_length: Option<i64>,
 }
 
-/// The flat arrays of one pack in Megatron's THD layout (see the module docs).
+/// The flat arrays of one pack (or micro-batch) in Megatron's THD layout (see the module docs).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ThdLayout {
     pub input_ids: Vec<i64>,
     pub labels: Vec<i64>,
     pub loss_mask: Vec<bool>,
+    pub token_mask: Vec<bool>,
     pub position_ids: Vec<i64>,
     pub cu_seqlens: Vec<i32>,
     pub cu_seqlens_padded: Vec<i32>,
     pub max_seqlen: usize,
+}
+
+/// Padded rows, row-major `[rows, width]` (see the module docs).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PaddedLayout {
+    pub rows: usize,
+    pub width: usize,
+    pub input_ids: Vec<i64>,
+    pub labels: Vec<i64>,
+    pub loss_mask: Vec<bool>,
+    pub token_mask: Vec<bool>,
+    pub position_ids: Vec<i64>,
+    pub attention_mask: Vec<bool>,
+    /// Tokens per row (the rest of the row is padding).
+    pub lengths: Vec<i64>,
+}
+
+fn option_error(name: &'static str, detail: String) -> CoreError {
+    CoreError::BatchOption { name, detail }
 }
 
 fn gcd(a: usize, b: usize) -> usize {
@@ -73,17 +107,16 @@ pub fn pad_multiple(pad_to_multiple_of: i64, cp_size: i64) -> CoreResult<usize> 
     let pad = usize::try_from(pad_to_multiple_of)
         .ok()
         .filter(|&p| p >= 1)
-        .ok_or_else(|| CoreError::BatchOption {
-            name: "pad_to_multiple_of",
-            detail: format!("must be >= 1, got {pad_to_multiple_of}"),
+        .ok_or_else(|| {
+            option_error(
+                "pad_to_multiple_of",
+                format!("must be >= 1, got {pad_to_multiple_of}"),
+            )
         })?;
     let cp = usize::try_from(cp_size)
         .ok()
         .filter(|&c| c >= 1)
-        .ok_or_else(|| CoreError::BatchOption {
-            name: "cp_size",
-            detail: format!("must be >= 1, got {cp_size}"),
-        })?;
+        .ok_or_else(|| option_error("cp_size", format!("must be >= 1, got {cp_size}")))?;
     if cp == 1 {
         return Ok(pad);
     }
@@ -97,15 +130,62 @@ pub fn pad_multiple(pad_to_multiple_of: i64, cp_size: i64) -> CoreResult<usize> 
         })
 }
 
+/// The options every builder checks first: the padding multiple and `pad_to_length`.
+struct Layout {
+    multiple: usize,
+    pad_to_length: Option<usize>,
+}
+
+fn check_options(opts: &BatchOptions<'_>) -> CoreResult<Layout> {
+    if opts.pad_token_id < 0 {
+        return Err(option_error(
+            "pad_token_id",
+            format!(
+                "must be a token id (>= 0), got {}; the padding is fed to the model",
+                opts.pad_token_id
+            ),
+        ));
+    }
+    let multiple = pad_multiple(opts.pad_to_multiple_of, opts.cp_size)?;
+    let pad_to_length = opts
+        .pad_to_length
+        .map(|l| target_length(l, multiple, opts))
+        .transpose()?;
+    Ok(Layout {
+        multiple,
+        pad_to_length,
+    })
+}
+
+/// `pad_to_length` as a length: positive and a multiple of the padding multiple (the last
+/// sample absorbs the difference, and its padded length must stay such a multiple).
+fn target_length(length: i64, multiple: usize, opts: &BatchOptions<'_>) -> CoreResult<usize> {
+    let l = usize::try_from(length)
+        .ok()
+        .filter(|&l| l >= 1)
+        .ok_or_else(|| option_error("pad_to_length", format!("must be >= 1, got {length}")))?;
+    if l % multiple != 0 {
+        return Err(option_error(
+            "pad_to_length",
+            format!(
+                "{l} is not a multiple of {multiple}, the padding multiple of \
+                 pad_to_multiple_of={} and cp_size={}",
+                opts.pad_to_multiple_of, opts.cp_size
+            ),
+        ));
+    }
+    Ok(l)
+}
+
 fn round_up(n: usize, multiple: usize) -> CoreResult<usize> {
-    let over = CoreError::IndexOverflow {
-        what: "padded sequence length",
-    };
     let rem = n % multiple;
     if rem == 0 {
         Ok(n)
     } else {
-        n.checked_add(multiple - rem).ok_or(over)
+        n.checked_add(multiple - rem)
+            .ok_or(CoreError::IndexOverflow {
+                what: "padded sequence length",
+            })
     }
 }
 
@@ -115,14 +195,33 @@ fn as_i32(v: usize) -> CoreResult<i32> {
     })
 }
 
-/// Append sample `s`'s loss mask (one bool per token) to `out`.
-fn extend_mask(
+fn as_i64(v: usize, what: &'static str) -> CoreResult<i64> {
+    i64::try_from(v).map_err(|_| CoreError::IndexOverflow { what })
+}
+
+/// The trainable flags of sample `s` (one per token) into `out`, after the token checks (not
+/// empty, no negative id). Returns the sample's largest token id.
+fn sample_mask(
     s: &SampleRef<'_>,
     opts: &BatchOptions<'_>,
     trainable: &mut Vec<bool>,
     out: &mut Vec<bool>,
-) -> CoreResult<()> {
+) -> CoreResult<i64> {
     let n = s.tokens.len();
+    if n == 0 {
+        return Err(CoreError::EmptySample {
+            sample: s.name.to_owned(),
+        });
+    }
+    if let Some(pos) = s.tokens.iter().position(|&t| t < 0) {
+        let value = s.tokens.get(pos).copied().unwrap_or(-1);
+        return Err(CoreError::InvalidToken {
+            sample: s.name.to_owned(),
+            position: pos,
+            value,
+        });
+    }
+    out.clear();
     match opts.mode {
         MaskMode::Precomputed => {
             let m = s.mask.ok_or_else(|| CoreError::MissingField {
@@ -130,7 +229,7 @@ fn extend_mask(
                 field: "loss_mask",
                 mode: "'precomputed'",
             })?;
-            mask::extend_validated(m, n, s.name, out)
+            mask::extend_validated(m, n, s.name, out)?;
         }
         MaskMode::Derived => {
             let missing = |field| CoreError::MissingField {
@@ -148,324 +247,407 @@ fn extend_mask(
                     .iter()
                     .map(|r| opts.train_roles.iter().any(|t| t == r)),
             );
-            mask::extend_from_spans(lengths, trainable, Some(n), s.name, "message", out)
+            mask::extend_from_spans(lengths, trainable, Some(n), s.name, "message", out)?;
         }
+    }
+    Ok(s.tokens.iter().copied().max().unwrap_or(0))
+}
+
+/// `ignore_index` must not be a token id of the batch: a label equal to it would leave the
+/// loss unnoticed. `max_token` is the batch's largest id, first found in sample `owner`.
+pub(crate) fn ignore_index_error(ignore_index: i64, max_token: i64, owner: &str) -> CoreError {
+    option_error(
+        "ignore_index",
+        format!(
+            "{ignore_index} is a valid token id of this batch (its ids go up to {max_token}, \
+             in sample {owner}), so labels of that token would be ignored; use a negative \
+             value such as -100"
+        ),
+    )
+}
+
+/// The per-position arrays both layouts share, appended sample by sample.
+#[derive(Default)]
+struct Fields {
+    input_ids: Vec<i64>,
+    labels: Vec<i64>,
+    loss_mask: Vec<bool>,
+    token_mask: Vec<bool>,
+    position_ids: Vec<i64>,
+}
+
+impl Fields {
+    fn with_capacity(n: usize) -> Self {
+        Self {
+            input_ids: Vec::with_capacity(n),
+            labels: Vec::with_capacity(n),
+            loss_mask: Vec::with_capacity(n),
+            token_mask: Vec::with_capacity(n),
+            position_ids: Vec::with_capacity(n),
+        }
+    }
+
+    /// One sample over `width >= tokens.len()` positions: its tokens, then padding.
+    fn push_sample(
+        &mut self,
+        tokens: &[i64],
+        trainable: &[bool],
+        width: usize,
+        pad_token_id: i64,
+        ignore_index: i64,
+    ) -> CoreResult<()> {
+        let pad = width.saturating_sub(tokens.len());
+        self.input_ids.extend_from_slice(tokens);
+        self.input_ids
+            .extend(std::iter::repeat_n(pad_token_id, pad));
+        // labels[p] = tokens[p + 1] where that token is trainable; loss_mask = labels trained.
+        let next = tokens.iter().zip(trainable).skip(1);
+        self.labels
+            .extend(next.map(|(&t, &m)| if m { t } else { ignore_index }));
+        self.loss_mask
+            .extend(trainable.get(1..).unwrap_or_default());
+        // The last token predicts nothing in its sample; padding predicts nothing.
+        self.labels
+            .extend(std::iter::repeat_n(ignore_index, pad + 1));
+        self.loss_mask.extend(std::iter::repeat_n(false, pad + 1));
+        self.token_mask.extend_from_slice(trainable);
+        self.token_mask.extend(std::iter::repeat_n(false, pad));
+        self.position_ids
+            .extend(0..as_i64(width, "position ids (int64)")?);
+        Ok(())
+    }
+
+    /// `extra` more padding positions for the sample that ends the arrays (its positions so
+    /// far: `0..width`).
+    fn extend_last(
+        &mut self,
+        width: usize,
+        extra: usize,
+        pad_token_id: i64,
+        ignore_index: i64,
+    ) -> CoreResult<()> {
+        self.input_ids
+            .extend(std::iter::repeat_n(pad_token_id, extra));
+        self.labels.extend(std::iter::repeat_n(ignore_index, extra));
+        self.loss_mask.extend(std::iter::repeat_n(false, extra));
+        self.token_mask.extend(std::iter::repeat_n(false, extra));
+        let end = width.checked_add(extra).ok_or(CoreError::IndexOverflow {
+            what: "position ids",
+        })?;
+        self.position_ids
+            .extend(as_i64(width, "position ids (int64)")?..as_i64(end, "position ids (int64)")?);
+        Ok(())
     }
 }
 
-/// Build one pack from `samples` (see the module docs for the layout and label convention).
+/// The padded width of every sample of a pack, the last one absorbing `pad_to_length`.
+fn pack_widths(samples: &[SampleRef<'_>], layout: &Layout) -> CoreResult<Vec<usize>> {
+    let mut widths = Vec::with_capacity(samples.len());
+    let mut total: usize = 0;
+    for s in samples {
+        let w = round_up(s.tokens.len(), layout.multiple)?;
+        total = total.checked_add(w).ok_or(CoreError::IndexOverflow {
+            what: "padded pack length",
+        })?;
+        widths.push(w);
+    }
+    if let Some(target) = layout.pad_to_length {
+        if total > target {
+            return Err(option_error(
+                "pad_to_length",
+                format!(
+                    "the pack needs {total} positions ({} samples, each padded to a multiple \
+                     of {}), more than pad_to_length={target}",
+                    samples.len(),
+                    layout.multiple
+                ),
+            ));
+        }
+        if let Some(last) = widths.last_mut() {
+            *last += target - total;
+        }
+    }
+    Ok(widths)
+}
+
+/// `[0, cumsum(values)]` as int32 offsets.
+fn offsets(values: impl Iterator<Item = usize>) -> CoreResult<Vec<i32>> {
+    let mut out = vec![0i32];
+    let mut total: usize = 0;
+    for v in values {
+        total = total.checked_add(v).ok_or(CoreError::IndexOverflow {
+            what: "pack length",
+        })?;
+        out.push(as_i32(total)?);
+    }
+    Ok(out)
+}
+
+/// Build one pack from `samples` (see the module docs for the layout and the fields).
 ///
 /// # Errors
 /// `EmptyBatch`, `EmptySample`, `InvalidToken`, `MissingField`, mask errors (`MaskLength`,
-/// `MaskValue`, `SpanMismatch`), `BatchOption`, `IndexOverflow` (a pack past `i32::MAX` tokens).
+/// `MaskValue`, `SpanMismatch`), `BatchOption` (options out of range, a pack longer than
+/// `pad_to_length`, an `ignore_index` that is a token id), `IndexOverflow` (a pack past
+/// `i32::MAX` positions).
 pub fn build(samples: &[SampleRef<'_>], opts: &BatchOptions<'_>) -> CoreResult<ThdLayout> {
     if samples.is_empty() {
         return Err(CoreError::EmptyBatch);
     }
-    let multiple = pad_multiple(opts.pad_to_multiple_of, opts.cp_size)?;
+    let layout = check_options(opts)?;
 
-    // Pass 1: layout (offsets and sizes).
-    let mut cu = Vec::with_capacity(samples.len() + 1);
-    let mut cu_padded = Vec::with_capacity(samples.len() + 1);
-    cu.push(0i32);
-    cu_padded.push(0i32);
-    let (mut total, mut total_padded, mut max_seqlen) = (0usize, 0usize, 0usize);
-    for s in samples {
-        let n = s.tokens.len();
-        let padded = round_up(n, multiple)?;
-        max_seqlen = max_seqlen.max(padded);
-        total = total.checked_add(n).ok_or(CoreError::IndexOverflow {
-            what: "pack length",
-        })?;
-        total_padded = total_padded
-            .checked_add(padded)
-            .ok_or(CoreError::IndexOverflow {
-                what: "padded pack length",
-            })?;
-        cu.push(as_i32(total)?);
-        cu_padded.push(as_i32(total_padded)?);
+    // Pass 1: layout (offsets and sizes), so nothing is allocated for a pack that cannot exist.
+    let widths = pack_widths(samples, &layout)?;
+    let cu_seqlens = offsets(samples.iter().map(|s| s.tokens.len()))?;
+    let cu_seqlens_padded = offsets(widths.iter().copied())?;
+    let total = widths.iter().sum();
+    let max_seqlen = widths.iter().copied().max().unwrap_or(0);
+
+    // Pass 2, sample by sample: checks (tokens, then mask), then the arrays.
+    let mut trainable_msgs = Vec::new();
+    let mut trainable = Vec::with_capacity(max_seqlen);
+    let mut fields = Fields::with_capacity(total);
+    let mut max_token = (-1i64, "");
+    for (s, &width) in samples.iter().zip(&widths) {
+        let top = sample_mask(s, opts, &mut trainable_msgs, &mut trainable)?;
+        if top > max_token.0 {
+            max_token = (top, s.name);
+        }
+        fields.push_sample(
+            s.tokens,
+            &trainable,
+            width,
+            opts.pad_token_id,
+            opts.ignore_index,
+        )?;
     }
-
-    // Pass 2, sample by sample: checks (tokens, then mask), then the flat arrays.
-    let mut sample_mask: Vec<bool> = Vec::with_capacity(max_seqlen);
-    let mut trainable: Vec<bool> = Vec::new();
-    let mut input_ids = Vec::with_capacity(total_padded);
-    let mut labels = Vec::with_capacity(total_padded);
-    let mut loss_mask = Vec::with_capacity(total_padded);
-    let mut position_ids = Vec::with_capacity(total_padded);
-    for s in samples {
-        let n = s.tokens.len();
-        if n == 0 {
-            return Err(CoreError::EmptySample {
-                sample: s.name.to_owned(),
-            });
-        }
-        if let Some(pos) = s.tokens.iter().position(|&t| t < 0) {
-            let value = s.tokens.get(pos).copied().unwrap_or(-1);
-            return Err(CoreError::InvalidToken {
-                sample: s.name.to_owned(),
-                position: pos,
-                value,
-            });
-        }
-        let padded = round_up(n, multiple)?;
-        let pad = padded - n;
-        sample_mask.clear();
-        extend_mask(s, opts, &mut trainable, &mut sample_mask)?;
-
-        input_ids.extend_from_slice(s.tokens);
-        input_ids.extend(std::iter::repeat_n(opts.pad_token_id, pad));
-        // labels[p] = tokens[p + 1] gated by mask[p + 1]; the last token has no target.
-        labels.extend(s.tokens.iter().zip(&sample_mask).skip(1).map(|(&t, &m)| {
-            if m {
-                t
-            } else {
-                opts.ignore_index
-            }
-        }));
-        labels.extend(std::iter::repeat_n(opts.ignore_index, pad + 1));
-        loss_mask.extend_from_slice(&sample_mask);
-        loss_mask.extend(std::iter::repeat_n(false, pad));
-        let p_end = i64::try_from(padded).map_err(|_| CoreError::IndexOverflow {
-            what: "position ids",
-        })?;
-        position_ids.extend(0..p_end);
+    if (0..=max_token.0).contains(&opts.ignore_index) {
+        return Err(ignore_index_error(
+            opts.ignore_index,
+            max_token.0,
+            max_token.1,
+        ));
     }
     Ok(ThdLayout {
-        input_ids,
-        labels,
-        loss_mask,
-        position_ids,
-        cu_seqlens: cu,
-        cu_seqlens_padded: cu_padded,
+        input_ids: fields.input_ids,
+        labels: fields.labels,
+        loss_mask: fields.loss_mask,
+        token_mask: fields.token_mask,
+        position_ids: fields.position_ids,
+        cu_seqlens,
+        cu_seqlens_padded,
         max_seqlen,
     })
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn opts(mode: MaskMode, roles: &[String], pad: i64, cp: i64) -> BatchOptions<'_> {
-        BatchOptions {
-            mode,
-            train_roles: roles,
-            pad_token_id: 0,
-            pad_to_multiple_of: pad,
-            ignore_index: -100,
-            cp_size: cp,
-        }
+/// Build padded rows from `samples`, one row per sample: the width is the longest sample
+/// rounded up to the padding multiple, or `pad_to_length`.
+///
+/// # Errors
+/// As [`build`]; `BatchOption` when the longest sample does not fit `pad_to_length`;
+/// `IndexOverflow` when `rows * width` does not fit in memory's index range.
+pub fn build_padded(
+    samples: &[SampleRef<'_>],
+    opts: &BatchOptions<'_>,
+) -> CoreResult<PaddedLayout> {
+    if samples.is_empty() {
+        return Err(CoreError::EmptyBatch);
     }
-
-    #[test]
-    fn worked_example_both_modes() {
-        let tokens = [11i64, 12, 13, 14, 21, 22, 23];
-        let mask = [0u8, 0, 0, 0, 1, 1, 1];
-        let roles = vec!["user".to_owned(), "assistant".to_owned()];
-        let train = vec!["assistant".to_owned()];
-        let pre = SampleRef {
-            name: "'s0'",
-            tokens: &tokens,
-            mask: Some(MaskView::U8(&mask)),
-            message_lengths: None,
-            message_roles: None,
-        };
-        let der = SampleRef {
-            name: "'s0'",
-            tokens: &tokens,
-            mask: None,
-            message_lengths: Some(&[4, 3]),
-            message_roles: Some(&roles),
-        };
-        let a = build(&[pre], &opts(MaskMode::Precomputed, &train, 1, 1));
-        let b = build(&[der], &opts(MaskMode::Derived, &train, 1, 1));
-        assert!(a.is_ok());
-        assert_eq!(a, b);
-        if let Ok(a) = a {
-            assert_eq!(
-                a.loss_mask,
-                vec![false, false, false, false, true, true, true]
-            );
-            assert_eq!(a.labels, vec![-100, -100, -100, 21, 22, 23, -100]);
-            assert_eq!(a.cu_seqlens, vec![0, 7]);
+    let layout = check_options(opts)?;
+    let longest = samples.iter().map(|s| s.tokens.len()).max().unwrap_or(0);
+    let mut width = round_up(longest, layout.multiple)?;
+    if let Some(target) = layout.pad_to_length {
+        if width > target {
+            return Err(option_error(
+                "pad_to_length",
+                format!(
+                    "the longest sample has {longest} tokens ({width} padded to a multiple of \
+                     {}), more than pad_to_length={target}",
+                    layout.multiple
+                ),
+            ));
         }
+        width = target;
     }
-
-    #[test]
-    fn padding_and_cp() {
-        assert_eq!(pad_multiple(1, 2).ok(), Some(4));
-        assert_eq!(pad_multiple(6, 2).ok(), Some(12));
-        assert_eq!(pad_multiple(8, 2).ok(), Some(8));
-        assert!(pad_multiple(0, 1).is_err());
-        assert!(pad_multiple(1, 0).is_err());
-        let t1 = [1i64, 2, 3];
-        let t2 = [4i64, 5, 6, 7, 8];
-        let m1 = [1u8, 1, 1];
-        let m2 = [1i64, 1, 1, 1, 1];
-        let s = [
-            SampleRef {
-                name: "a",
-                tokens: &t1,
-                mask: Some(MaskView::U8(&m1)),
-                message_lengths: None,
-                message_roles: None,
-            },
-            SampleRef {
-                name: "b",
-                tokens: &t2,
-                mask: Some(MaskView::I64(&m2)),
-                message_lengths: None,
-                message_roles: None,
-            },
-        ];
-        let out = build(&s, &opts(MaskMode::Precomputed, &[], 4, 1));
-        assert!(out.is_ok());
-        if let Ok(out) = out {
-            assert_eq!(out.cu_seqlens, vec![0, 3, 8]);
-            assert_eq!(out.cu_seqlens_padded, vec![0, 4, 12]);
-            assert_eq!(out.input_ids, vec![1, 2, 3, 0, 4, 5, 6, 7, 8, 0, 0, 0]);
-            assert_eq!(out.position_ids, vec![0, 1, 2, 3, 0, 1, 2, 3, 4, 5, 6, 7]);
-            assert_eq!(
-                out.labels,
-                vec![2, 3, -100, -100, 5, 6, 7, 8, -100, -100, -100, -100]
-            );
-            assert_eq!(out.max_seqlen, 8);
+    let rows = samples.len();
+    let cells = rows.checked_mul(width).ok_or(CoreError::IndexOverflow {
+        what: "rows * width",
+    })?;
+    let mut trainable_msgs = Vec::new();
+    let mut trainable = Vec::with_capacity(width);
+    let mut fields = Fields::with_capacity(cells);
+    let mut attention_mask = Vec::with_capacity(cells);
+    let mut lengths = Vec::with_capacity(rows);
+    let mut max_token = (-1i64, "");
+    for s in samples {
+        let top = sample_mask(s, opts, &mut trainable_msgs, &mut trainable)?;
+        if top > max_token.0 {
+            max_token = (top, s.name);
         }
+        let n = s.tokens.len();
+        fields.push_sample(
+            s.tokens,
+            &trainable,
+            width,
+            opts.pad_token_id,
+            opts.ignore_index,
+        )?;
+        attention_mask.extend(std::iter::repeat_n(true, n));
+        attention_mask.extend(std::iter::repeat_n(false, width - n));
+        lengths.push(as_i64(n, "lengths")?);
     }
+    if (0..=max_token.0).contains(&opts.ignore_index) {
+        return Err(ignore_index_error(
+            opts.ignore_index,
+            max_token.0,
+            max_token.1,
+        ));
+    }
+    Ok(PaddedLayout {
+        rows,
+        width,
+        input_ids: fields.input_ids,
+        labels: fields.labels,
+        loss_mask: fields.loss_mask,
+        token_mask: fields.token_mask,
+        position_ids: fields.position_ids,
+        attention_mask,
+        lengths,
+    })
+}
 
-    #[test]
-    fn errors_name_the_sample() {
-        let t = [1i64, 2];
-        let base = SampleRef {
-            name: "x",
-            tokens: &t,
-            mask: None,
-            message_lengths: None,
-            message_roles: None,
+/// How packs join into one micro-batch.
+#[derive(Debug, Clone, Copy)]
+pub struct ConcatOptions {
+    pub pad_token_id: i64,
+    pub ignore_index: i64,
+    /// Every sample of every pack must be padded to a multiple of this (the packs' own
+    /// `pad_to_multiple_of` / `cp_size` multiple).
+    pub multiple: usize,
+    /// The total length of the micro-batch; the last sample absorbs the difference.
+    pub pad_to_length: Option<usize>,
+}
+
+/// Several packs (each checked with [`check_thd`]) as one THD micro-batch: their samples in
+/// order, offsets shifted, the last sample padded up to `pad_to_length`.
+///
+/// # Errors
+/// `EmptyBatch` for no packs; `BatchLayout` naming the pack whose fields disagree or whose
+/// samples are not padded to `multiple`; `BatchOption` for a `pad_to_length` that is not a
+/// multiple of `multiple` or shorter than the packs; `IndexOverflow` past `i32::MAX`
+/// positions.
+pub fn concat(parts: &[ThdView<'_>], opts: &ConcatOptions) -> CoreResult<ThdLayout> {
+    if parts.is_empty() {
+        return Err(CoreError::EmptyBatch);
+    }
+    let multiple = opts.multiple.max(1);
+    let mut total: usize = 0;
+    for (k, part) in parts.iter().enumerate() {
+        check_thd(part, opts.pad_token_id, opts.ignore_index).map_err(|e| in_pack(k, e))?;
+        let widths = part.cu_seqlens_padded.windows(2).map(|w| match w {
+            [a, b] => usize::try_from(b - a).unwrap_or(0),
+            _ => 0,
+        });
+        for (i, w) in widths.enumerate() {
+            if w % multiple != 0 {
+                return Err(CoreError::BatchLayout {
+                    detail: format!(
+                        "packs[{k}]: sample {i} is padded to {w} positions, not a multiple of \
+                         {multiple}; build every pack with the micro-batch's \
+                         pad_to_multiple_of and cp_size"
+                    ),
+                });
+            }
+        }
+        total = total
+            .checked_add(part.input_ids.len())
+            .ok_or(CoreError::IndexOverflow {
+                what: "micro-batch length",
+            })?;
+    }
+    let mut extra = 0;
+    if let Some(target) = opts.pad_to_length {
+        if target % multiple != 0 {
+            return Err(option_error(
+                "pad_to_length",
+                format!("{target} is not a multiple of the padding multiple {multiple}"),
+            ));
+        }
+        if total > target {
+            return Err(option_error(
+                "pad_to_length",
+                format!("the packs hold {total} positions, more than pad_to_length={target}"),
+            ));
+        }
+        extra = target - total;
+    }
+    let mut fields = Fields::with_capacity(total + extra);
+    let mut cu_seqlens = vec![0i32];
+    let mut cu_seqlens_padded = vec![0i32];
+    let (mut base, mut base_padded) = (0usize, 0usize);
+    let mut max_seqlen = 0;
+    let mut last_width = 0;
+    for part in parts {
+        fields.input_ids.extend_from_slice(part.input_ids);
+        fields.labels.extend_from_slice(part.labels);
+        fields
+            .loss_mask
+            .extend(part.loss_mask.iter().map(|&b| b != 0));
+        fields
+            .token_mask
+            .extend(part.token_mask.iter().map(|&b| b != 0));
+        fields.position_ids.extend_from_slice(part.position_ids);
+        for (&c, &cp) in part.cu_seqlens.iter().zip(part.cu_seqlens_padded).skip(1) {
+            // Checked non-negative and non-decreasing by check_thd.
+            let c = base + usize::try_from(c).unwrap_or(0);
+            let cp = base_padded + usize::try_from(cp).unwrap_or(0);
+            cu_seqlens.push(as_i32(c)?);
+            cu_seqlens_padded.push(as_i32(cp)?);
+        }
+        base = cu_seqlens
+            .last()
+            .map_or(0, |&v| usize::try_from(v).unwrap_or(0));
+        base_padded = cu_seqlens_padded
+            .last()
+            .map_or(0, |&v| usize::try_from(v).unwrap_or(0));
+        max_seqlen = max_seqlen.max(part.max_seqlen);
+        last_width = match part.cu_seqlens_padded {
+            [.., a, b] => usize::try_from(b - a).unwrap_or(0),
+            _ => 0,
         };
-        let o = opts(MaskMode::Precomputed, &[], 1, 1);
-        assert!(matches!(
-            build(&[base], &o),
-            Err(CoreError::MissingField { .. })
-        ));
-        assert!(matches!(build(&[], &o), Err(CoreError::EmptyBatch)));
-        let e = SampleRef {
-            tokens: &[],
-            ..base
-        };
-        assert!(matches!(
-            build(&[e], &o),
-            Err(CoreError::EmptySample { .. })
-        ));
-        let neg = SampleRef {
-            tokens: &[1, -5],
-            mask: Some(MaskView::U8(&[0, 1])),
-            ..base
-        };
-        assert!(matches!(
-            build(&[neg], &o),
-            Err(CoreError::InvalidToken {
-                position: 1,
-                value: -5,
-                ..
-            })
-        ));
-        let d = opts(MaskMode::Derived, &[], 1, 1);
-        assert!(matches!(
-            build(&[base], &d),
-            Err(CoreError::MissingField {
-                field: "message_lengths",
-                ..
-            })
-        ));
+    }
+    if extra > 0 {
+        fields.extend_last(last_width, extra, opts.pad_token_id, opts.ignore_index)?;
+        let end = base_padded + extra;
+        if let Some(last) = cu_seqlens_padded.last_mut() {
+            *last = as_i32(end)?;
+        }
+        max_seqlen = max_seqlen.max(last_width + extra);
+    }
+    Ok(ThdLayout {
+        input_ids: fields.input_ids,
+        labels: fields.labels,
+        loss_mask: fields.loss_mask,
+        token_mask: fields.token_mask,
+        position_ids: fields.position_ids,
+        cu_seqlens,
+        cu_seqlens_padded,
+        max_seqlen,
+    })
+}
+
+fn in_pack(k: usize, err: CoreError) -> CoreError {
+    match err {
+        CoreError::BatchLayout { detail } => CoreError::BatchLayout {
+            detail: format!("packs[{k}]: {detail}"),
+        },
+        CoreError::BatchOption { name, detail } => CoreError::BatchOption {
+            name,
+            detail: format!("packs[{k}]: {detail}"),
+        },
+        other => other,
     }
 }
 
 #[cfg(test)]
-mod props {
-    use super::*;
-    use proptest::prelude::*;
-
-    proptest! {
-        /// Layout invariants for random precomputed-mask samples and options.
-        #[test]
-        fn layout_invariants(
-            lens in proptest::collection::vec(1usize..40, 1..8),
-            pad in 1i64..9,
-            cp in 1i64..4,
-            seed in any::<u64>(),
-        ) {
-            let tokens: Vec<Vec<i64>> = lens
-                .iter()
-                .enumerate()
-                .map(|(i, &n)| (0..n).map(|j| i64::try_from(i * 100 + j).unwrap_or(0)).collect())
-                .collect();
-            let masks: Vec<Vec<u8>> = lens
-                .iter()
-                .enumerate()
-                .map(|(i, &n)| (0..n).map(|j| u8::from((seed >> ((i + j) % 64)) & 1 == 1)).collect())
-                .collect();
-            let samples: Vec<SampleRef<'_>> = tokens
-                .iter()
-                .zip(&masks)
-                .map(|(t, m)| SampleRef {
-                    name: "p",
-                    tokens: t,
-                    mask: Some(MaskView::U8(m)),
-                    message_lengths: None,
-                    message_roles: None,
-                })
-                .collect();
-            let opts = BatchOptions {
-                mode: MaskMode::Precomputed,
-                train_roles: &[],
-                pad_token_id: 0,
-                pad_to_multiple_of: pad,
-                ignore_index: -100,
-                cp_size: cp,
-            };
-            let out = build(&samples, &opts);
-            prop_assert!(out.is_ok());
-            let Ok(out) = out else { return Ok(()) };
-            let multiple = pad_multiple(pad, cp).unwrap_or(1);
-            let total = usize::try_from(*out.cu_seqlens_padded.last().unwrap_or(&0)).unwrap_or(0);
-            prop_assert_eq!(out.input_ids.len(), total);
-            prop_assert_eq!(out.labels.len(), total);
-            prop_assert_eq!(out.loss_mask.len(), total);
-            prop_assert_eq!(out.position_ids.len(), total);
-            for (i, w) in out.cu_seqlens_padded.windows(2).enumerate() {
-                let (Some(&a), Some(&b)) = (w.first(), w.get(1)) else { continue };
-                let width = usize::try_from(b - a).unwrap_or(0);
-                prop_assert_eq!(width % multiple, 0);
-                prop_assert!(width >= lens.get(i).copied().unwrap_or(0));
-                // labels: next token where the target's mask is 1
-                let start = usize::try_from(a).unwrap_or(0);
-                let n = lens.get(i).copied().unwrap_or(0);
-                for p in 0..width {
-                    let got = out.labels.get(start + p).copied();
-                    let target = masks.get(i).and_then(|m| m.get(p + 1)).copied();
-                    let want = if p + 1 < n && target == Some(1) {
-                        tokens.get(i).and_then(|t| t.get(p + 1)).copied()
-                    } else {
-                        Some(-100)
-                    };
-                    prop_assert_eq!(got, want);
-                }
-            }
-        }
-
-        /// The chunked scan finds the same first bad value as a plain loop.
-        #[test]
-        fn validate_matches_naive(values in proptest::collection::vec(-2i64..3, 0..10_000)) {
-            let naive = values.iter().position(|&v| v != 0 && v != 1);
-            let got = mask::validate(MaskView::I64(&values), values.len(), false, "p");
-            match naive {
-                None => prop_assert!(got.is_ok()),
-                Some(p) => {
-                    let hit = matches!(got, Err(CoreError::MaskValue { position, .. }) if position == p);
-                    prop_assert!(hit);
-                }
-            }
-        }
-    }
-}
+mod tests;

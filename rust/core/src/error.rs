@@ -84,7 +84,7 @@ pub enum CoreError {
     },
     /// A sample with no tokens.
     EmptySample { sample: String },
-    /// `pack_samples` called with no samples.
+    /// A batch builder called with no samples (or no packs).
     EmptyBatch,
     /// A negative token id.
     InvalidToken {
@@ -94,6 +94,9 @@ pub enum CoreError {
     },
     /// A batch-builder option out of range.
     BatchOption { name: &'static str, detail: String },
+    /// The fields of a batch layout disagree with each other (`detail` names the field, the
+    /// sample and the position).
+    BatchLayout { detail: String },
     // --- gather ---
     /// `order[at]` names no source segment.
     GatherIndex {
@@ -217,11 +220,12 @@ impl fmt::Display for CoreError {
                 write!(f, "sample {sample} has no {field}, which loss_mask_mode={mode} needs")
             }
             Self::EmptySample { sample } => write!(f, "sample {sample} has no tokens"),
-            Self::EmptyBatch => write!(f, "pack_samples needs at least one sample, got none"),
+            Self::EmptyBatch => write!(f, "a batch needs at least one sample, got none"),
             Self::InvalidToken { sample, position, value } => {
                 write!(f, "sample {sample} has negative token id {value} at position {position}")
             }
             Self::BatchOption { name, detail } => write!(f, "invalid {name}: {detail}"),
+            Self::BatchLayout { detail } => write!(f, "inconsistent batch: {detail}"),
             // --- gather ---
             Self::GatherIndex { at, index, n_sources } => write!(
                 f,

@@ -67,7 +67,12 @@ exceptions! {
     MissingFieldError(BatchError): "A sample lacks a field its loss-mask mode needs.";
     EmptySampleError(BatchError): "A sample (or a batch) has no tokens.";
     InvalidTokenError(BatchError): "A token id is negative.";
-    BatchOptionError(BatchError): "A batch-builder option is out of range.";
+    BatchOptionError(BatchError): "A batch-builder option is out of range or breaks the \
+        batch's fields (a negative pad_token_id, an ignore_index that is a token id of the \
+        batch, a pack longer than pad_to_length).";
+    BatchLayoutError(BatchError): "The fields of a batch disagree with each other (a \
+        PackedBatch or PaddedBatch built by hand, or packs that cannot form one micro-batch); \
+        the message names the field, the sample and the position.";
 }
 
 /// Newtype so `?` turns a `CoreError` into the right Python exception.
@@ -121,6 +126,7 @@ impl From<PyCoreError> for PyErr {
             CoreError::EmptySample { .. } | CoreError::EmptyBatch => EmptySampleError::new_err(msg),
             CoreError::InvalidToken { .. } => InvalidTokenError::new_err(msg),
             CoreError::BatchOption { .. } => BatchOptionError::new_err(msg),
+            CoreError::BatchLayout { .. } => BatchLayoutError::new_err(msg),
         }
     }
 }
