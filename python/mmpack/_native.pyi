@@ -247,6 +247,7 @@ def build_pack(
 
 # --- gather ---
 
+def gather_threads() -> int: ...
 def gather_into(
     out: numpy.ndarray[Any, numpy.dtype[numpy.uint8]],
     sources: list[numpy.ndarray[Any, numpy.dtype[numpy.uint8]]],
