@@ -25,6 +25,7 @@ AREA_BASES = {
 AREA = {
     "IndexOverflowError": None,
     "LayoutError": errors.PackedTensorError,
+    "LayoutMismatchError": errors.PackedTensorError,
     "ProvenanceError": errors.PackedTensorError,
     "ShardError": errors.PackedTensorError,
     "OutBufferError": errors.PackedTensorError,
@@ -58,6 +59,7 @@ AREA = {
 ALSO = {
     "PackingDtypeError": TypeError,
     "OutBufferError": TypeError,
+    "LayoutMismatchError": pickle.PicklingError,
     "PinMemoryUnavailableError": RuntimeError,
     "SegmentMismatchError": RuntimeError,
     "PickleSecurityError": pickle.UnpicklingError,

@@ -40,10 +40,13 @@ inconsistency in a state (truncated or corrupt bytes) is a ``LayoutError`` start
 from __future__ import annotations
 
 import copyreg
+import importlib
 import math
 import pickle
+import sys
 import threading
 import weakref
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -51,6 +54,7 @@ import torch
 from torch._utils import _flatten_dense_tensors
 
 from mmpack._native import LayoutError, MmpackError, PackedLayout
+from mmpack.errors import LayoutMismatchError
 
 if TYPE_CHECKING:
     from mmpack.packed import PackedTensor
@@ -93,24 +97,46 @@ _TENSOR = torch.Tensor
 def reduce(value: PackedTensor) -> tuple[Any, ...]:
     """``value.__reduce_ex__``'s result: the reconstructor and the state described above."""
     lay = value._lay()
+    tensors = value.tensors
     layout_state = None
     if lay is not None:
         offsets, indices = lay.offsets(), lay.indices()
+        _check_fits(value, lay, indices, len(tensors))
         layout_state = (
             None if offsets is None else offsets.astype("<i8", copy=False).tobytes(),
             None if indices is None else indices.astype("<i8", copy=False).tobytes(),
             lay.provenance_blob(),
         )
     extra = {k: v for k, v in value.__dict__.items() if k not in FIELDS} or None
+    op = _THREADS.op()
+    plan = _plan_segments(tensors, op)
     state = {
         STATE_KEY: 1,
         "dim_to_pack": value.dim_to_pack,
         "pad_to_max_shape": value.pad_to_max_shape,
         "layout": layout_state,
-        "segments": _encode_segments(value.tensors),
+        "segments": plan.segments,
         "extra": extra,
     }
+    _THREADS.begin_value(value, state, plan, op)
     return (copyreg._reconstructor, (type(value), object, None), state)  # type: ignore[attr-defined]
+
+
+def _check_fits(value: PackedTensor, lay: PackedLayout, indices: np.ndarray | None, n: int) -> None:
+    """Refuse to write a value whose ``tensors`` no longer fit its row layout (say, a segment
+    appended to a deduplicated value's list): its pickle would not load."""
+    problem = None
+    if lay.has_provenance:
+        if lay.n_physical != n:
+            problem = f"its layout has provenance for {lay.n_physical} physical segments"
+    elif indices is not None and indices.size and int(indices.max()) >= n:
+        problem = f"its row mapping references physical segment {int(indices.max())}"
+    if problem is not None:
+        raise LayoutMismatchError(
+            f"cannot pickle {type(value).__name__} at {id(value):#x} ({len(value)} rows): "
+            f"its tensors list has {n} entries but {problem}; the pickle would not load "
+            "(was a segment appended to or removed from .tensors?)"
+        )
 
 
 def _bufferable(t: Any) -> bool:
@@ -128,45 +154,243 @@ def _bufferable(t: Any) -> bool:
     )
 
 
+# --- the state of one pickling operation ------------------------------------------------------
+#
+# A pickling operation (one pickler, from its first PackedTensor on) shares each plain CPU tensor
+# between its values: the first value that writes it puts it in a group, later values reference
+# that group, which the pickler's memo writes once. No pickler hook tells ``__reduce_ex__``
+# which pickler calls it, so three facts stand in for it:
+#
+# * operations never span threads: each thread has its own current operation;
+# * a pickler writes the ``mmpack.packed.PackedTensor`` global once, for its first value, right
+#   after that value's ``__reduce_ex__``: the module reports the lookup (``pickler_started``),
+#   and that value then starts a new operation (its state is re-planned on its own if it
+#   referenced groups of another);
+# * a group's ``__reduce_ex__`` runs only when the running pickler has not written it yet: it
+#   writes the members that the value being written needs, and placeholders (empty tensors)
+#   for any others, so a group never carries tensors into a payload they do not belong to.
+#   A group written that way is never referenced again.
+
+
 class _PickleOp:
-    """Token of one pickling operation: which tensors already sit in which group."""
+    """One pickling operation: which tensors its groups hold (tensor id -> group, slot)."""
 
     __slots__ = ("__weakref__", "written")
 
     def __init__(self) -> None:
         self.written: dict[int, tuple[weakref.ref[_Group], int]] = {}
 
+    def find(self, t: Any) -> tuple[_Group, int] | None:
+        entry = self.written.get(id(t))
+        if entry is None:
+            return None
+        group = entry[0]()
+        slot = entry[1]
+        if group is None or not group.shareable or group.member(slot) is not t:
+            return None  # a dead group, one written partly, or an id reused by a new tensor
+        return group, slot
+
+    def add(self, group: _Group) -> None:
+        for j, t in enumerate(group.members or ()):
+            self.written[id(t)] = (group.ref, j)
+
+    def drop(self, group: _Group) -> None:
+        for t in group.members or ():
+            entry = self.written.get(id(t))
+            if entry is not None and entry[0] is group.ref:
+                del self.written[id(t)]
+
 
 class _Group:
-    """Tensors written together (pickled as a private ``PackedTensor``, see the module docs)."""
+    """Tensors written together (pickled as a private ``PackedTensor``, see the module docs).
 
-    __slots__ = ("__weakref__", "members", "op", "ref")
+    Holds its members until its first write and only weak references after it, so that
+    neither a long-lived pickler's memo nor this module keeps media alive."""
 
-    def __init__(self, op: _PickleOp) -> None:
-        self.members: list[torch.Tensor] = []
-        self.op = op  # keeps the operation's token alive while the pickler's memo holds us
+    __slots__ = ("__weakref__", "members", "op", "ref", "refs", "shareable")
+
+    def __init__(self, op: _PickleOp, members: list[torch.Tensor]) -> None:
+        self.members: list[torch.Tensor] | None = members
+        self.refs: list[weakref.ref[torch.Tensor]] | None = None
+        self.op = op  # keeps the operation alive while the pickler's memo holds the group
         self.ref = weakref.ref(self)
+        self.shareable = True
+
+    def __len__(self) -> int:
+        return len(self.members if self.members is not None else self.refs or ())
+
+    def member(self, j: int) -> torch.Tensor | None:
+        if self.members is not None:
+            return self.members[j]
+        assert self.refs is not None
+        return self.refs[j]()
 
     def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
-        from mmpack.packed import PackedTensor  # a group unpickles as a legacy PackedTensor
-
+        needed = _THREADS.needed(self)
+        n = len(self)
+        members = [self.member(j) if needed is None or j in needed else None for j in range(n)]
+        if needed is not None and len(needed) < n:
+            self.shareable = False  # this pickler's memo now holds a partial copy
+        if self.members is not None:  # written: keep weak references only
+            self.refs = [weakref.ref(t) for t in self.members]
+            self.members = None
         proto = protocol if isinstance(protocol, int) else 2
-        state = {STATE_KEY: 1, "group": _encode_group(self.members, proto)}
-        return (copyreg._reconstructor, (PackedTensor, object, None), state)  # type: ignore[attr-defined]
+        state = {STATE_KEY: 1, "group": _encode_group(members, proto)}
+        # a group unpickles as a legacy PackedTensor
+        return (copyreg._reconstructor, (packed_class(), object, None), state)  # type: ignore[attr-defined]
 
 
-_current_op: Any = lambda: None  # noqa: E731  (a dead weak reference)
-_op_lock = threading.Lock()
+class _Plan:
+    """How one value's segments are written: the segments tuple of its state, the group of
+    its own new tensors (if any), the operation that group joined, and which slots of each
+    referenced group it needs (``None`` = all, for its own)."""
+
+    __slots__ = ("fresh", "needs", "op", "own", "segments", "shares")
+
+    def __init__(
+        self,
+        segments: tuple[Any, ...],
+        own: _Group | None,
+        op: _PickleOp | None,
+        needs: dict[int, tuple[weakref.ref[_Group], frozenset[int] | None]],
+        shares: bool,
+        fresh: bool,
+    ) -> None:
+        self.segments = segments
+        self.own = own
+        self.op = op
+        self.needs = needs
+        self.shares = shares  # references groups of earlier values
+        self.fresh = fresh  # its own group started a new operation
 
 
-def _pickle_op() -> _PickleOp:
-    global _current_op
-    with _op_lock:
-        op = _current_op()
+def _plan_segments(tensors: list[Any], op: _PickleOp | None) -> _Plan:
+    n = len(tensors)
+    codes = [-1] * n
+    pos = [0] * n
+    groups: list[Any] = []
+    group_slot: dict[int, int] = {}
+    slots: dict[int, set[int]] = {}
+    others: list[Any] = []
+    seen: dict[int, tuple[int, int]] = {}
+    own_members: list[torch.Tensor] = []
+    own_slot = -1
+    for i, t in enumerate(tensors):
+        if t is None:
+            continue
+        key = id(t)
+        hit = seen.get(key)
+        if hit is None:
+            found = op.find(t) if op is not None else None
+            if found is not None:
+                group, j = found
+                k = group_slot.get(id(group))
+                if k is None:
+                    k = group_slot[id(group)] = len(groups)
+                    groups.append(group)
+                    slots[k] = set()
+                slots[k].add(j)
+                hit = (k, j)
+            elif _bufferable(t):
+                if own_slot < 0:
+                    own_slot = len(groups)
+                    groups.append(None)  # the group is made once its members are known
+                hit = (own_slot, len(own_members))
+                own_members.append(t)
+            else:
+                hit = (-2, len(others))
+                others.append(t)
+            seen[key] = hit
+        codes[i], pos[i] = hit
+    needs = {id(groups[k]): (groups[k].ref, frozenset(s)) for k, s in slots.items()}
+    own = None
+    fresh = False
+    if own_members:
         if op is None:
             op = _PickleOp()
-            _current_op = weakref.ref(op)
-        return op
+            fresh = True
+        own = groups[own_slot] = _Group(op, own_members)
+        op.add(own)
+        needs[id(own)] = (own.ref, None)
+    segments = (_SEGMENTS_FORMAT, _i64_bytes(codes), _i64_bytes(pos), groups, others)
+    return _Plan(segments, own, op, needs, bool(slots), fresh)
+
+
+def _dead() -> None:
+    return None
+
+
+class _ThreadState(threading.local):
+    """This thread's current operation, what the value being written needs, and the value
+    whose ``__reduce_ex__`` ran last until its pickler writes the class global (or not)."""
+
+    def __init__(self) -> None:
+        self.op: Callable[[], _PickleOp | None] = _dead
+        self.needs: dict[int, tuple[weakref.ref[_Group], frozenset[int] | None]] = {}
+        self.pending: tuple[Any, ...] | None = None
+
+    def begin_value(
+        self, value: PackedTensor, state: dict[str, Any], plan: _Plan, op: _PickleOp | None
+    ) -> None:
+        self.needs = plan.needs
+        if plan.op is not op:
+            self.op = weakref.ref(plan.op) if plan.op is not None else _dead
+        # Re-planning needs the value and its state only when it shares with earlier values.
+        if plan.shares:
+            self.pending = (plan, weakref.ref(value), state)
+        else:
+            self.pending = (plan, None, None)
+
+    def needed(self, group: _Group) -> frozenset[int] | None:
+        """The slots of ``group`` the value being written needs (``None``: all of them)."""
+        self.pending = None  # the value's state is being written
+        entry = self.needs.get(id(group))
+        if entry is None or entry[0]() is not group:
+            return None  # not written for a value: as a whole, as it was made
+        return entry[1]
+
+    def pickler_started(self) -> None:
+        """A pickler wrote the class global for the first time: the value reduced last (if
+        its state is not being written yet) is the first of a new operation."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return
+        plan, value_ref, state = pending
+        if not plan.shares:
+            if plan.own is None:
+                self.op = _dead  # the current operation belongs to another pickler
+            elif not plan.fresh:
+                # its own group joined another pickler's operation: move it to a new one
+                plan.own.op.drop(plan.own)
+                plan.own.op = op = _PickleOp()
+                op.add(plan.own)
+                self.op = weakref.ref(op)
+            return
+        value = value_ref() if value_ref is not None else None
+        if value is None or state is None:
+            return
+        if plan.own is not None:
+            plan.own.op.drop(plan.own)
+        fresh = _plan_segments(value.tensors, None)
+        state["segments"] = fresh.segments
+        self.needs = fresh.needs
+        self.op = weakref.ref(fresh.op) if fresh.op is not None else _dead
+
+
+_THREADS = _ThreadState()
+
+
+def packed_class() -> type[PackedTensor]:
+    """``mmpack.packed.PackedTensor``, read without the lookup that ``pickler_started`` sees."""
+    module = sys.modules.get("mmpack.packed") or importlib.import_module("mmpack.packed")
+    cls: type[PackedTensor] = vars(module)["PackedTensor"]
+    return cls
+
+
+def pickler_started() -> None:
+    """Called by ``mmpack.packed`` when something looks up its ``PackedTensor`` attribute: a
+    pickler does that once, when it writes the class global for its first value."""
+    _THREADS.pickler_started()
 
 
 def _i64_bytes(values: Any) -> bytes:
@@ -177,58 +401,22 @@ def _i64_array(data: Any) -> np.ndarray:
     return np.frombuffer(data, dtype="<i8").astype(np.int64, copy=False)
 
 
-def _encode_segments(tensors: list[Any]) -> Any:
-    n = len(tensors)
-    codes = [-1] * n
-    pos = [0] * n
-    groups: list[_Group] = []
-    group_slot: dict[int, int] = {}
-    others: list[Any] = []
-    seen: dict[int, tuple[int, int]] = {}
-    op: _PickleOp | None = None
-    own: _Group | None = None
-    own_slot = 0
-    for i, t in enumerate(tensors):
-        if t is None:
-            continue
-        key = id(t)
-        hit = seen.get(key)
-        if hit is None:
-            if op is None:
-                op = _pickle_op()
-            entry = op.written.get(key)
-            group = entry[0]() if entry is not None else None
-            if group is not None and entry is not None:
-                k = group_slot.get(id(group))
-                if k is None:
-                    k = group_slot[id(group)] = len(groups)
-                    groups.append(group)
-                hit = (k, entry[1])
-            elif _bufferable(t):
-                if own is None:
-                    own = _Group(op)
-                    own_slot = group_slot[id(own)] = len(groups)
-                    groups.append(own)
-                j = len(own.members)
-                own.members.append(t)
-                op.written[key] = (own.ref, j)
-                hit = (own_slot, j)
-            else:
-                hit = (-2, len(others))
-                others.append(t)
-            seen[key] = hit
-        codes[i], pos[i] = hit
-    return (_SEGMENTS_FORMAT, _i64_bytes(codes), _i64_bytes(pos), groups, others)
-
-
-def _encode_group(members: list[torch.Tensor], protocol: int) -> Any:
+def _encode_group(members: list[torch.Tensor | None], protocol: int) -> Any:
+    """The group state of ``members``; a ``None`` member is written as an empty 1-d tensor (a
+    placeholder that no value of the payload references)."""
     n = len(members)
     dtypes = [0] * n
     ranks = [0] * n
     dims: list[int] = []
     by_dtype: dict[torch.dtype, int] = {}
     parts: list[list[torch.Tensor]] = []
+    placeholder = None
     for j, t in enumerate(members):
+        if t is None:
+            if placeholder is None:
+                dtype = next((m.dtype for m in members if m is not None), torch.uint8)
+                placeholder = torch.empty(0, dtype=dtype)
+            t = placeholder
         dtype = t.dtype
         g = by_dtype.get(dtype)
         if g is None:
@@ -367,7 +555,10 @@ def _decode_segments(payload: Any) -> list[Any]:
     codes_a, pos_a = _i64_array(codes), _i64_array(pos)
     if len(codes_a) != len(pos_a) or (len(codes_a) and (codes_a.min() < -2 or pos_a.min() < 0)):
         raise LayoutError(f"{CORRUPT}: inconsistent segment tables")
-    group_lists = [g.members if isinstance(g, _Group) else g.tensors for g in groups]
+    group_lists = [
+        [g.member(j) for j in range(len(g))] if isinstance(g, _Group) else g.tensors
+        for g in groups
+    ]
     out: list[Any] = []
     append = out.append
     for c, j in zip(codes_a.tolist(), pos_a.tolist(), strict=True):

@@ -69,6 +69,13 @@ class PinMemoryUnavailableError(PackedTensorError, RuntimeError):
     memory for (page-locked memory needs CUDA)."""
 
 
+class LayoutMismatchError(LayoutError, pickle.PicklingError):
+    """A ``PackedTensor`` is pickled while its ``tensors`` list no longer fits its row layout
+    (a segment appended to or removed from ``tensors`` of a deduplicated value, or a segment
+    index past the end of the list): its pickle would not load. The message names the value
+    and both counts. Also a ``pickle.PicklingError``."""
+
+
 class SegmentMismatchError(PackedTensorError, RuntimeError):
     """The segments of a ``PackedTensor`` cannot be concatenated by ``as_tensor``: they live on
     different devices (or on ``meta`` while data is needed), have different ranks, or differ in
@@ -164,6 +171,7 @@ __all__ = [
     "MmpackError",
     # --- PackedTensor ---
     "LayoutError",
+    "LayoutMismatchError",
     "OutBufferError",
     "PackedTensorError",
     "PinMemoryUnavailableError",
