@@ -205,20 +205,20 @@ def test_the_class_lookup_is_seen_once_per_pickler() -> None:
     import sys
 
     import mmpack
-    import mmpack._pickle_format as fmt
+    import mmpack._pickle_operation as operation
 
     module = sys.modules["mmpack.packed"]
     assert module.PackedTensor is P is mmpack.PackedTensor
     calls: list[int] = []
-    original = fmt._THREADS.pickler_started
-    fmt._THREADS.pickler_started = lambda: calls.append(1)  # type: ignore[method-assign]
+    original = operation.THREADS.pickler_started
+    operation.THREADS.pickler_started = lambda: calls.append(1)  # type: ignore[method-assign]
     try:
         pickle.dumps([P([torch.ones(2)], 0) for _ in range(5)], protocol=5)
         assert len(calls) == 1
         pickle.dumps([P([torch.ones(2)], 0) for _ in range(5)], protocol=2)
         assert len(calls) == 2
     finally:
-        fmt._THREADS.pickler_started = original  # type: ignore[method-assign]
+        operation.THREADS.pickler_started = original  # type: ignore[method-assign]
     assert "PackedTensor" in dir(module) and isinstance(module, type(sys))
 
 

@@ -28,8 +28,10 @@ subclasses, sparse or nested layouts, lazy conjugate or negative bits) goes to `
 
 Groups keep tensor identity across the values of one pickle, as the pickle memo does for
 NeMo-RL: the first value that pickles a tensor puts it in its own group, and later values of the
-same pickling operation reference that group object, which the memo writes once. An operation is
-recognized by a token that only the groups of the running pickle keep alive.
+same pickling operation reference that group object, which the memo writes once. Which values
+belong to one operation, and what a group writes when another operation references it, is
+``mmpack._pickle_operation``'s concern: a payload depends only on the values pickled into it.
+A group member that no value of the payload references may be an empty placeholder.
 
 **Reading.** ``restore`` takes that state, NeMo-RL's current six-field ``__dict__`` state and
 its pre-deduplication three-field one (``tensors``, ``dim_to_pack``, ``pad_to_max_shape``). Any
@@ -40,20 +42,21 @@ inconsistency in a state (truncated or corrupt bytes) is a ``LayoutError`` start
 from __future__ import annotations
 
 import copyreg
-import importlib
 import math
-import pickle
-import sys
-import threading
-import weakref
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from torch._utils import _flatten_dense_tensors
 
 from mmpack._native import LayoutError, MmpackError, PackedLayout
+from mmpack._pickle_operation import (
+    GROUP_FORMAT,
+    SEGMENTS_FORMAT,
+    STATE_KEY,
+    THREADS,
+    Group,
+    plan_segments,
+)
 from mmpack.errors import LayoutMismatchError
 
 if TYPE_CHECKING:
@@ -65,29 +68,7 @@ __all__ = ["FIELDS", "RAW_FIELDS", "STATE_KEY", "reduce", "restore"]
 FIELDS = frozenset(("tensors", "dim_to_pack", "pad_to_max_shape", "_layout"))
 #: NeMo-RL's row mapping and provenance attributes, as its ``__dict__`` states hold them.
 RAW_FIELDS = ("_row_offsets", "_segment_indices", "_segment_provenance")
-STATE_KEY = "__mmpack_packed_tensor__"
 CORRUPT = "corrupt PackedTensor pickle"
-_SEGMENTS_FORMAT = "mmpack.segments/2"
-_GROUP_FORMAT = "mmpack.group/1"
-_BUFFER_DTYPES = {
-    d: str(d).removeprefix("torch.")
-    for d in (
-        torch.float64,
-        torch.float32,
-        torch.float16,
-        torch.bfloat16,
-        torch.int64,
-        torch.int32,
-        torch.int16,
-        torch.int8,
-        torch.uint8,
-        torch.bool,
-        torch.complex64,
-        torch.complex128,
-    )
-}
-_STRIDED = torch.strided
-_TENSOR = torch.Tensor
 
 
 # ---------------------------------------------------------------------------------------------
@@ -108,8 +89,8 @@ def reduce(value: PackedTensor) -> tuple[Any, ...]:
             lay.provenance_blob(),
         )
     extra = {k: v for k, v in value.__dict__.items() if k not in FIELDS} or None
-    op = _THREADS.op()
-    plan = _plan_segments(tensors, op)
+    op = THREADS.op()
+    plan = plan_segments(tensors, op)
     state = {
         STATE_KEY: 1,
         "dim_to_pack": value.dim_to_pack,
@@ -118,7 +99,7 @@ def reduce(value: PackedTensor) -> tuple[Any, ...]:
         "segments": plan.segments,
         "extra": extra,
     }
-    _THREADS.begin_value(value, state, plan, op)
+    THREADS.begin_value(value, state, plan, op)
     return (copyreg._reconstructor, (type(value), object, None), state)  # type: ignore[attr-defined]
 
 
@@ -139,300 +120,8 @@ def _check_fits(value: PackedTensor, lay: PackedLayout, indices: np.ndarray | No
         )
 
 
-def _bufferable(t: Any) -> bool:
-    """A plain CPU tensor whose bytes can be written as they are (no autograd, subclass,
-    sparse/nested layout or lazy conjugate/negative bit)."""
-    return (
-        type(t) is _TENSOR
-        and t.dtype in _BUFFER_DTYPES
-        and t.is_cpu
-        and not t.requires_grad
-        and t.layout is _STRIDED
-        and not t.is_nested
-        and not t.is_neg()
-        and not t.is_conj()
-    )
-
-
-# --- the state of one pickling operation ------------------------------------------------------
-#
-# A pickling operation (one pickler, from its first PackedTensor on) shares each plain CPU tensor
-# between its values: the first value that writes it puts it in a group, later values reference
-# that group, which the pickler's memo writes once. No pickler hook tells ``__reduce_ex__``
-# which pickler calls it, so three facts stand in for it:
-#
-# * operations never span threads: each thread has its own current operation;
-# * a pickler writes the ``mmpack.packed.PackedTensor`` global once, for its first value, right
-#   after that value's ``__reduce_ex__``: the module reports the lookup (``pickler_started``),
-#   and that value then starts a new operation (its state is re-planned on its own if it
-#   referenced groups of another);
-# * a group's ``__reduce_ex__`` runs only when the running pickler has not written it yet: it
-#   writes the members that the value being written needs, and placeholders (empty tensors)
-#   for any others, so a group never carries tensors into a payload they do not belong to.
-#   A group written that way is never referenced again.
-
-
-class _PickleOp:
-    """One pickling operation: which tensors its groups hold (tensor id -> group, slot)."""
-
-    __slots__ = ("__weakref__", "written")
-
-    def __init__(self) -> None:
-        self.written: dict[int, tuple[weakref.ref[_Group], int]] = {}
-
-    def find(self, t: Any) -> tuple[_Group, int] | None:
-        entry = self.written.get(id(t))
-        if entry is None:
-            return None
-        group = entry[0]()
-        slot = entry[1]
-        if group is None or not group.shareable or group.member(slot) is not t:
-            return None  # a dead group, one written partly, or an id reused by a new tensor
-        return group, slot
-
-    def add(self, group: _Group) -> None:
-        for j, t in enumerate(group.members or ()):
-            self.written[id(t)] = (group.ref, j)
-
-    def drop(self, group: _Group) -> None:
-        for t in group.members or ():
-            entry = self.written.get(id(t))
-            if entry is not None and entry[0] is group.ref:
-                del self.written[id(t)]
-
-
-class _Group:
-    """Tensors written together (pickled as a private ``PackedTensor``, see the module docs).
-
-    Holds its members until its first write and only weak references after it, so that
-    neither a long-lived pickler's memo nor this module keeps media alive."""
-
-    __slots__ = ("__weakref__", "members", "op", "ref", "refs", "shareable")
-
-    def __init__(self, op: _PickleOp, members: list[torch.Tensor]) -> None:
-        self.members: list[torch.Tensor] | None = members
-        self.refs: list[weakref.ref[torch.Tensor]] | None = None
-        self.op = op  # keeps the operation alive while the pickler's memo holds the group
-        self.ref = weakref.ref(self)
-        self.shareable = True
-
-    def __len__(self) -> int:
-        return len(self.members if self.members is not None else self.refs or ())
-
-    def member(self, j: int) -> torch.Tensor | None:
-        if self.members is not None:
-            return self.members[j]
-        assert self.refs is not None
-        return self.refs[j]()
-
-    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
-        needed = _THREADS.needed(self)
-        n = len(self)
-        members = [self.member(j) if needed is None or j in needed else None for j in range(n)]
-        if needed is not None and len(needed) < n:
-            self.shareable = False  # this pickler's memo now holds a partial copy
-        if self.members is not None:  # written: keep weak references only
-            self.refs = [weakref.ref(t) for t in self.members]
-            self.members = None
-        proto = protocol if isinstance(protocol, int) else 2
-        state = {STATE_KEY: 1, "group": _encode_group(members, proto)}
-        # a group unpickles as a legacy PackedTensor
-        return (copyreg._reconstructor, (packed_class(), object, None), state)  # type: ignore[attr-defined]
-
-
-class _Plan:
-    """How one value's segments are written: the segments tuple of its state, the group of
-    its own new tensors (if any), the operation that group joined, and which slots of each
-    referenced group it needs (``None`` = all, for its own)."""
-
-    __slots__ = ("fresh", "needs", "op", "own", "segments", "shares")
-
-    def __init__(
-        self,
-        segments: tuple[Any, ...],
-        own: _Group | None,
-        op: _PickleOp | None,
-        needs: dict[int, tuple[weakref.ref[_Group], frozenset[int] | None]],
-        shares: bool,
-        fresh: bool,
-    ) -> None:
-        self.segments = segments
-        self.own = own
-        self.op = op
-        self.needs = needs
-        self.shares = shares  # references groups of earlier values
-        self.fresh = fresh  # its own group started a new operation
-
-
-def _plan_segments(tensors: list[Any], op: _PickleOp | None) -> _Plan:
-    n = len(tensors)
-    codes = [-1] * n
-    pos = [0] * n
-    groups: list[Any] = []
-    group_slot: dict[int, int] = {}
-    slots: dict[int, set[int]] = {}
-    others: list[Any] = []
-    seen: dict[int, tuple[int, int]] = {}
-    own_members: list[torch.Tensor] = []
-    own_slot = -1
-    for i, t in enumerate(tensors):
-        if t is None:
-            continue
-        key = id(t)
-        hit = seen.get(key)
-        if hit is None:
-            found = op.find(t) if op is not None else None
-            if found is not None:
-                group, j = found
-                k = group_slot.get(id(group))
-                if k is None:
-                    k = group_slot[id(group)] = len(groups)
-                    groups.append(group)
-                    slots[k] = set()
-                slots[k].add(j)
-                hit = (k, j)
-            elif _bufferable(t):
-                if own_slot < 0:
-                    own_slot = len(groups)
-                    groups.append(None)  # the group is made once its members are known
-                hit = (own_slot, len(own_members))
-                own_members.append(t)
-            else:
-                hit = (-2, len(others))
-                others.append(t)
-            seen[key] = hit
-        codes[i], pos[i] = hit
-    needs = {id(groups[k]): (groups[k].ref, frozenset(s)) for k, s in slots.items()}
-    own = None
-    fresh = False
-    if own_members:
-        if op is None:
-            op = _PickleOp()
-            fresh = True
-        own = groups[own_slot] = _Group(op, own_members)
-        op.add(own)
-        needs[id(own)] = (own.ref, None)
-    segments = (_SEGMENTS_FORMAT, _i64_bytes(codes), _i64_bytes(pos), groups, others)
-    return _Plan(segments, own, op, needs, bool(slots), fresh)
-
-
-def _dead() -> None:
-    return None
-
-
-class _ThreadState(threading.local):
-    """This thread's current operation, what the value being written needs, and the value
-    whose ``__reduce_ex__`` ran last until its pickler writes the class global (or not)."""
-
-    def __init__(self) -> None:
-        self.op: Callable[[], _PickleOp | None] = _dead
-        self.needs: dict[int, tuple[weakref.ref[_Group], frozenset[int] | None]] = {}
-        self.pending: tuple[Any, ...] | None = None
-
-    def begin_value(
-        self, value: PackedTensor, state: dict[str, Any], plan: _Plan, op: _PickleOp | None
-    ) -> None:
-        self.needs = plan.needs
-        if plan.op is not op:
-            self.op = weakref.ref(plan.op) if plan.op is not None else _dead
-        # Re-planning needs the value and its state only when it shares with earlier values.
-        if plan.shares:
-            self.pending = (plan, weakref.ref(value), state)
-        else:
-            self.pending = (plan, None, None)
-
-    def needed(self, group: _Group) -> frozenset[int] | None:
-        """The slots of ``group`` the value being written needs (``None``: all of them)."""
-        self.pending = None  # the value's state is being written
-        entry = self.needs.get(id(group))
-        if entry is None or entry[0]() is not group:
-            return None  # not written for a value: as a whole, as it was made
-        return entry[1]
-
-    def pickler_started(self) -> None:
-        """A pickler wrote the class global for the first time: the value reduced last (if
-        its state is not being written yet) is the first of a new operation."""
-        pending, self.pending = self.pending, None
-        if pending is None:
-            return
-        plan, value_ref, state = pending
-        if not plan.shares:
-            if plan.own is None:
-                self.op = _dead  # the current operation belongs to another pickler
-            elif not plan.fresh:
-                # its own group joined another pickler's operation: move it to a new one
-                plan.own.op.drop(plan.own)
-                plan.own.op = op = _PickleOp()
-                op.add(plan.own)
-                self.op = weakref.ref(op)
-            return
-        value = value_ref() if value_ref is not None else None
-        if value is None or state is None:
-            return
-        if plan.own is not None:
-            plan.own.op.drop(plan.own)
-        fresh = _plan_segments(value.tensors, None)
-        state["segments"] = fresh.segments
-        self.needs = fresh.needs
-        self.op = weakref.ref(fresh.op) if fresh.op is not None else _dead
-
-
-_THREADS = _ThreadState()
-
-
-def packed_class() -> type[PackedTensor]:
-    """``mmpack.packed.PackedTensor``, read without the lookup that ``pickler_started`` sees."""
-    module = sys.modules.get("mmpack.packed") or importlib.import_module("mmpack.packed")
-    cls: type[PackedTensor] = vars(module)["PackedTensor"]
-    return cls
-
-
-def pickler_started() -> None:
-    """Called by ``mmpack.packed`` when something looks up its ``PackedTensor`` attribute: a
-    pickler does that once, when it writes the class global for its first value."""
-    _THREADS.pickler_started()
-
-
-def _i64_bytes(values: Any) -> bytes:
-    return np.asarray(values, dtype="<i8").tobytes()
-
-
 def _i64_array(data: Any) -> np.ndarray:
     return np.frombuffer(data, dtype="<i8").astype(np.int64, copy=False)
-
-
-def _encode_group(members: list[torch.Tensor | None], protocol: int) -> Any:
-    """The group state of ``members``; a ``None`` member is written as an empty 1-d tensor (a
-    placeholder that no value of the payload references)."""
-    n = len(members)
-    dtypes = [0] * n
-    ranks = [0] * n
-    dims: list[int] = []
-    by_dtype: dict[torch.dtype, int] = {}
-    parts: list[list[torch.Tensor]] = []
-    placeholder = None
-    for j, t in enumerate(members):
-        if t is None:
-            if placeholder is None:
-                dtype = next((m.dtype for m in members if m is not None), torch.uint8)
-                placeholder = torch.empty(0, dtype=dtype)
-            t = placeholder
-        dtype = t.dtype
-        g = by_dtype.get(dtype)
-        if g is None:
-            g = by_dtype[dtype] = len(parts)
-            parts.append([])
-        parts[g].append(t)
-        dtypes[j] = g
-        shape = t.shape
-        ranks[j] = len(shape)
-        dims.extend(shape)
-    buffers: list[tuple[str, Any]] = []
-    for dtype, g in by_dtype.items():
-        arr = _flatten_dense_tensors(parts[g]).view(torch.uint8).numpy()
-        buf: Any = pickle.PickleBuffer(arr) if protocol >= 5 else arr.tobytes()
-        buffers.append((_BUFFER_DTYPES[dtype], buf))
-    return (_GROUP_FORMAT, _i64_bytes(dtypes), _i64_bytes(ranks), _i64_bytes(dims), buffers)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -513,7 +202,7 @@ def _writable_bytes(buf: Any) -> Any:
 
 def _decode_group(payload: Any) -> list[Any]:
     fmt, dtypes, ranks, dims, buffers = payload
-    if fmt != _GROUP_FORMAT:
+    if fmt != GROUP_FORMAT:
         raise LayoutError(f"unknown PackedTensor pickle format {fmt!r}")
     dtypes_a, ranks_a, dims_a = _i64_array(dtypes), _i64_array(ranks), _i64_array(dims)
     if (
@@ -550,14 +239,13 @@ def _decode_group(payload: Any) -> list[Any]:
 
 def _decode_segments(payload: Any) -> list[Any]:
     fmt, codes, pos, groups, others = payload
-    if fmt != _SEGMENTS_FORMAT:
+    if fmt != SEGMENTS_FORMAT:
         raise LayoutError(f"unknown PackedTensor pickle format {fmt!r}")
     codes_a, pos_a = _i64_array(codes), _i64_array(pos)
     if len(codes_a) != len(pos_a) or (len(codes_a) and (codes_a.min() < -2 or pos_a.min() < 0)):
         raise LayoutError(f"{CORRUPT}: inconsistent segment tables")
     group_lists = [
-        [g.member(j) for j in range(len(g))] if isinstance(g, _Group) else g.tensors
-        for g in groups
+        [g.member(j) for j in range(len(g))] if isinstance(g, Group) else g.tensors for g in groups
     ]
     out: list[Any] = []
     append = out.append

@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mmpack import _gather, _pickle_format, _transfer
+from mmpack import _gather, _pickle_format, _pickle_operation, _transfer
 from mmpack._coerce import I64_MAX, I64_MIN, count_int, host_tensor, index_array
 from mmpack._native import (
     IndexOverflowError,
@@ -607,11 +607,11 @@ class _PackedModule(types.ModuleType):
     """This module's type: it reports lookups of ``PackedTensor`` to the pickle format. A
     pickler looks the class up here once, when it writes the global for its first value, which
     is how the format tells one pickling operation from the next (see
-    ``mmpack._pickle_format``)."""
+    ``mmpack._pickle_operation``)."""
 
     def __getattribute__(self, name: str) -> Any:
         if name == "PackedTensor":
-            _pickle_format.pickler_started()
+            _pickle_operation.pickler_started()
         return super().__getattribute__(name)
 
 
