@@ -53,6 +53,7 @@ AREA = {
     "UndeclaredModalityError": errors.EnergonDataError,
     "UnsafePickleError": errors.PickleSecurityError,
     "CorruptPickleError": errors.PickleSecurityError,
+    "PickleTooLargeError": errors.PickleSecurityError,
 }
 
 #: Builtins a class must also be, for code written against NeMo-RL or the stdlib.

@@ -52,7 +52,9 @@ def _shared_family() -> tuple[list[P], list[torch.Tensor]]:
         picks = [segs[(k * 131 + j * 17) % 3000] for j in range(1 + k % 4)]
         own = torch.full((2, 2), float(k))
         values.append(P([*picks, own, None], 0))
-    values.append(P([segs[0], segs[0], segs[1]], 0, _row_offsets=[0, 3], _segment_indices=[2, 0, 1]))
+    values.append(
+        P([segs[0], segs[0], segs[1]], 0, _row_offsets=[0, 3], _segment_indices=[2, 0, 1])
+    )
     return values, segs
 
 
@@ -101,7 +103,7 @@ def test_threads_pickle_byte_identical_payloads(protocol: int) -> None:
 def test_threads_pickle_lists_that_share_within_themselves() -> None:
     """One pickle of several values still writes each shared tensor once, also while other
     threads pickle overlapping values."""
-    values, segs = _shared_family()
+    values, _ = _shared_family()
     batch = values[1:]
     alone = pickle.dumps(batch, protocol=5)
     results: list[bytes] = []

@@ -127,7 +127,9 @@ def test_a_value_whose_tensors_no_longer_fit_its_layout_is_not_written(protocol:
 
     dedup = P([torch.ones(2), torch.zeros(3)], 0).enable_deduplication()
     dedup.tensors.append(torch.ones(4))
-    with pytest.raises(LayoutMismatchError, match=r"3 entries .* provenance for 2 physical") as info:
+    with pytest.raises(
+        LayoutMismatchError, match=r"3 entries .* provenance for 2 physical"
+    ) as info:
         pickle.dumps(dedup, protocol=protocol)
     assert f"{id(dedup):#x}" in str(info.value) and "(3 rows)" in str(info.value)
     assert isinstance(info.value, pickle.PicklingError) and isinstance(info.value, LayoutError)

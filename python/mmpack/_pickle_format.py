@@ -57,6 +57,7 @@ from mmpack._pickle_operation import (
     Group,
     plan_segments,
 )
+from mmpack.compat._memory_budget import charge
 from mmpack.errors import LayoutMismatchError
 
 if TYPE_CHECKING:
@@ -69,6 +70,12 @@ FIELDS = frozenset(("tensors", "dim_to_pack", "pad_to_max_shape", "_layout"))
 #: NeMo-RL's row mapping and provenance attributes, as its ``__dict__`` states hold them.
 RAW_FIELDS = ("_row_offsets", "_segment_indices", "_segment_provenance")
 CORRUPT = "corrupt PackedTensor pickle"
+# What restoring builds, charged to a restricted load's budget (``mmpack.compat``) first: per
+# group member (a tensor view and its shape; measured 115-600 bytes), per segment slot, and per
+# byte of a row layout (the native handle's copies).
+_MEMBER_COST = 640
+_SEGMENT_COST = 96
+_LAYOUT_COST_PER_BYTE = 4
 
 
 # ---------------------------------------------------------------------------------------------
@@ -141,6 +148,8 @@ def restore(obj: PackedTensor, state: Any) -> None:
         isinstance(lay, PackedLayout) and lay.n_physical == len(state["tensors"])
     ):
         raise LayoutError(f"{CORRUPT}: _layout does not fit tensors")
+    entries = sum(len(v) for k in RAW_FIELDS if isinstance(v := state.get(k), list))
+    charge(64 * entries, "a NeMo-RL row layout")
     d = obj.__dict__
     d.update(state)
     if any(k in d for k in RAW_FIELDS) or "_layout" not in d:
@@ -213,6 +222,8 @@ def _decode_group(payload: Any) -> list[Any]:
         or (len(dtypes_a) and not 0 <= int(dtypes_a.min()) <= int(dtypes_a.max()) < len(buffers))
     ):
         raise LayoutError(f"{CORRUPT}: inconsistent tensor tables")
+    copied = sum(memoryview(buf).nbytes for _, buf in buffers if memoryview(buf).readonly)
+    charge(_MEMBER_COST * len(dtypes_a) + 48 * len(dims_a) + copied, "a PackedTensor group")
     dtypes_l, ranks_l, dims_l = dtypes_a.tolist(), ranks_a.tolist(), dims_a.tolist()
     n = len(dtypes_l)
     shapes: list[Any] = [None] * n
@@ -244,6 +255,7 @@ def _decode_segments(payload: Any) -> list[Any]:
     codes_a, pos_a = _i64_array(codes), _i64_array(pos)
     if len(codes_a) != len(pos_a) or (len(codes_a) and (codes_a.min() < -2 or pos_a.min() < 0)):
         raise LayoutError(f"{CORRUPT}: inconsistent segment tables")
+    charge(_SEGMENT_COST * len(codes_a), "PackedTensor segments")
     group_lists = [
         [g.member(j) for j in range(len(g))] if isinstance(g, Group) else g.tensors for g in groups
     ]
@@ -282,6 +294,8 @@ def _restore_fields(obj: PackedTensor, state: dict[str, Any]) -> None:
     layout_state = state["layout"]
     if layout_state is not None:
         offsets, indices, blob = layout_state
+        nbytes = sum(len(part) for part in (offsets, indices, blob) if part is not None)
+        charge(_LAYOUT_COST_PER_BYTE * nbytes, "a PackedTensor row layout")
         lay = PackedLayout.build(
             len(tensors),
             None if offsets is None else _i64_array(offsets),

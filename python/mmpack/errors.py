@@ -163,6 +163,13 @@ class CorruptPickleError(PickleSecurityError):
     records); the original error is chained as ``__cause__``."""
 
 
+class PickleTooLargeError(PickleSecurityError):
+    """``mmpack.compat.nemo_rl.loads`` / ``load`` would need more memory than a payload of that
+    size may cost: by default 32 times its size plus 64 MiB, or the caller's ``max_bytes=``.
+    Refused before the memory is allocated; the message gives the payload's size and the
+    bound."""
+
+
 # --- end compat ---
 
 __all__ = [
@@ -207,5 +214,6 @@ __all__ = [
     # --- compat (pure Python) ---
     "CorruptPickleError",
     "PickleSecurityError",
+    "PickleTooLargeError",
     "UnsafePickleError",
 ]
