@@ -25,9 +25,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-
-pytest.importorskip("megatron.energon")
-
 from megatron.energon import get_loader, get_train_dataset, stateless
 from mmpack.demos.sft import RunResult, _accounting
 from mmpack.energon import PackingEncoderConfig, PackingTaskEncoder, make_worker_config

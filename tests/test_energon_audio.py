@@ -14,10 +14,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-
-pytest.importorskip("megatron.energon")
-pytest.importorskip("librosa")
-
 from megatron.energon import get_loader, get_train_dataset
 from mmpack.energon import PackingEncoderConfig, PackingTaskEncoder, make_worker_config
 from mmpack.energon.synthetic import (

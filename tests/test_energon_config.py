@@ -7,9 +7,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-
-pytest.importorskip("megatron.energon")
-
 from mmpack.energon import (
     RENAMED_FIELDS,
     RETIRED_FIELDS,

@@ -9,9 +9,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-
-pytest.importorskip("megatron.energon")
-
 from megatron.energon import SkipSample
 from megatron.energon.cache.file_store import SystemFileStore
 from mmpack.batch import pack_samples

@@ -15,10 +15,8 @@ import socket
 from pathlib import Path
 from typing import Any
 
+import megatron.energon  # noqa: F401  (collected only with Energon installed)
 import pytest
-
-pytest.importorskip("megatron.energon")
-
 import torch.multiprocessing as mp
 
 pytestmark = [

@@ -9,11 +9,8 @@ import types
 from pathlib import Path
 from typing import Any
 
-import pytest
-
-pytest.importorskip("megatron.energon")
-
 import numpy as np
+import pytest
 from mmpack.demos import DEFAULT_PIPELINE
 from mmpack.demos import sft as demo
 from mmpack.energon import PackingTaskEncoder

@@ -9,9 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-pytest.importorskip("megatron.energon")
-
 from megatron.energon import SkipSample, get_loader, get_savable_loader, get_train_dataset
 from mmpack.energon import (
     MEDIA_LOG,

@@ -13,11 +13,8 @@ import tarfile
 from pathlib import Path
 from typing import Any
 
-import pytest
-
-pytest.importorskip("megatron.energon")
-
 import numpy as np
+import pytest
 import torch
 from megatron.energon import get_loader, get_train_dataset
 from mmpack.batch import EncodedSample

@@ -10,9 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-pytest.importorskip("megatron.energon")
-
 from megatron.energon import get_loader, get_train_dataset
 from mmpack.energon import MEDIA_LOG, PackingEncoderConfig, PackingTaskEncoder, make_worker_config
 from mmpack.energon.synthetic import (

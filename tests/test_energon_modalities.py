@@ -11,9 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-pytest.importorskip("megatron.energon")
-
 from megatron.energon import get_loader, get_train_dataset
 from megatron.energon.errors import FatalSampleError
 from mmpack.demos.sft import RunResult, _accounting

@@ -10,9 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-pytest.importorskip("megatron.energon")
-
 from mmpack.energon import PackingEncoderConfig, PackingTaskEncoder
 from mmpack.errors import EnergonConfigError
 
@@ -21,7 +18,8 @@ EXAMPLES = ROOT / "examples" / "configs"
 
 
 def _pyproject() -> dict[str, Any]:
-    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    import tomllib  # Python >= 3.11
+
     return dict(tomllib.loads((ROOT / "pyproject.toml").read_text()))
 
 

@@ -11,9 +11,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-pytest.importorskip("megatron.energon")
-
 from megatron.energon import SkipSample, get_loader, get_train_dataset, stateless
 from megatron.energon.errors import FatalSampleError
 from megatron.energon.task_encoder.base import get_failure_tolerance, get_stateless

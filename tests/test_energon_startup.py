@@ -8,11 +8,8 @@ import re
 import sys
 from typing import Any
 
-import pytest
-
-pytest.importorskip("megatron.energon")
-
 import mmpack.energon.validation as validation
+import pytest
 from mmpack.energon import PackingEncoderConfig, PackingTaskEncoder
 from mmpack.errors import ModalityConfigError
 

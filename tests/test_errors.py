@@ -25,6 +25,7 @@ AREA_BASES = {
 AREA = {
     "IndexOverflowError": None,
     "LayoutError": errors.PackedTensorError,
+    "LayoutMismatchError": errors.PackedTensorError,
     "ProvenanceError": errors.PackedTensorError,
     "ShardError": errors.PackedTensorError,
     "OutBufferError": errors.PackedTensorError,
@@ -53,12 +54,14 @@ AREA = {
     "UndeclaredModalityError": errors.EnergonDataError,
     "UnsafePickleError": errors.PickleSecurityError,
     "CorruptPickleError": errors.PickleSecurityError,
+    "PickleTooLargeError": errors.PickleSecurityError,
 }
 
 #: Builtins a class must also be, for code written against NeMo-RL or the stdlib.
 ALSO = {
     "PackingDtypeError": TypeError,
     "OutBufferError": TypeError,
+    "LayoutMismatchError": pickle.PicklingError,
     "PinMemoryUnavailableError": RuntimeError,
     "SegmentMismatchError": RuntimeError,
     "PickleSecurityError": pickle.UnpicklingError,

@@ -24,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import mmpack
 import numpy as np
 import pytest
 import torch
@@ -827,13 +828,38 @@ def _mutations(data: bytes, positions: int = 150) -> list[tuple[str, bytes]]:
     return out
 
 
+#: The installed package's own directory: a frame is mmpack's when its file lies inside it (not
+#: when its path merely contains "mmpack", which every frame does in a checkout named so).
+PACKAGE_DIR = Path(mmpack.__file__).resolve().parent
+
+
 def _in_mmpack(exc: BaseException) -> bool:
     tb = exc.__traceback__
     while tb is not None:
-        if f"{os.sep}mmpack{os.sep}" in tb.tb_frame.f_code.co_filename:
+        if _is_package_file(tb.tb_frame.f_code.co_filename):
             return True
         tb = tb.tb_next
     return False
+
+
+@functools.cache
+def _is_package_file(filename: str) -> bool:
+    return Path(filename).resolve().is_relative_to(PACKAGE_DIR)
+
+
+def test_frames_are_judged_by_the_package_directory(tmp_path: Path) -> None:
+    """A test file, even in a folder named ``mmpack``, is not inside the package."""
+    assert _is_package_file(str(PACKAGE_DIR / "packed.py"))
+    assert not _is_package_file(__file__)
+    assert not _is_package_file(str(tmp_path / "mmpack" / "tests" / "test_x.py"))
+    try:
+        PackedTensor([torch.ones(1)], 0, _row_offsets=[0, 2], _segment_indices=[0])
+    except MmpackError as exc:
+        assert _in_mmpack(exc)
+    try:
+        raise ValueError("raised here")
+    except ValueError as exc:
+        assert not _in_mmpack(exc)
 
 
 @pytest.mark.parametrize("name", sorted(PICKLES))

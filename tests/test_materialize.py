@@ -260,11 +260,45 @@ def test_out_buffer_errors(make_out: Any, match: str) -> None:
     assert isinstance(info.value, ValueError) and isinstance(info.value, TypeError)
 
 
-def test_out_buffer_may_not_overlap_inputs() -> None:
+@pytest.mark.parametrize("many", [False, True], ids=["few segments", "compacted"])
+def test_out_buffer_may_not_overlap_inputs(many: bool) -> None:
+    """Overlap is judged by the bytes each side really covers: an ``out=`` overlapping a
+    segment is refused, whether both are views of one storage or of one numpy buffer through
+    two ``torch.from_numpy`` calls (two storages)."""
+    filler: list[Any] = [torch.zeros(1, 2) for _ in range(70 if many else 0)]
     buf = torch.arange(20.0)
-    segs: list[Any] = [buf[:4].reshape(2, 2)]
     with pytest.raises(OutBufferError, match="shares memory"):
-        _ours(segs, [0, 0], 0, False, out=buf[8:16].reshape(4, 2))
+        _ours([buf[:4].reshape(2, 2), *filler], [0, 0], 0, False, out=buf[2:10].reshape(4, 2))
+    # a strided segment whose last element lands inside out=
+    with pytest.raises(OutBufferError, match="shares memory"):
+        _ours([buf[0:9:4].reshape(3, 1), *filler], [0], 0, False, out=buf[8:11].reshape(3, 1))
+    arena = np.arange(32, dtype=np.float32)
+    seg = torch.from_numpy(arena[4:12]).reshape(4, 2)
+    out = torch.from_numpy(arena[8:24]).reshape(8, 2)
+    assert seg.untyped_storage().data_ptr() != out.untyped_storage().data_ptr()
+    with pytest.raises(OutBufferError, match="shares memory"):
+        _ours([seg, *filler], [0, 0], 0, False, out=out)
+    # the torch fallback (mixed dtypes promote to float64) checks the same way
+    wide = torch.from_numpy(arena.view(np.float64)).reshape(8, 2)
+    with pytest.raises(OutBufferError, match="shares memory"):
+        _ours([seg, torch.ones(4, 2, dtype=torch.float64)], [0, 1], 0, False, out=wide)
+
+
+def test_out_buffer_disjoint_from_inputs_in_one_arena() -> None:
+    """``out=`` carved from the same buffer as the segments, but disjoint from them, is
+    accepted and gets the right result (a staging arena holding inputs and output)."""
+    arena = torch.arange(40.0)
+    segs: list[Any] = [arena[:4].reshape(2, 2), arena[4:6].reshape(1, 2)]
+    expected = torch.cat([segs[0], segs[1], segs[0]])
+    out = arena[20:30].reshape(5, 2)
+    assert _ours(segs, [0, 1, 0], 0, False, out=out) is out
+    assert torch.equal(out, expected) and torch.equal(arena[:6], torch.arange(6.0))
+    # adjacent byte ranges do not overlap either; and with two numpy views of one buffer
+    np_arena = np.arange(24, dtype=np.float32)
+    seg = torch.from_numpy(np_arena[:6]).reshape(3, 2)
+    out2 = torch.from_numpy(np_arena[6:18]).reshape(6, 2)
+    assert _ours([seg], [0, 0], 0, False, out=out2) is out2
+    assert torch.equal(out2, torch.cat([seg, seg]))
 
 
 def test_out_buffer_on_fallback_path() -> None:
@@ -410,6 +444,29 @@ def test_gather_into_binding_errors() -> None:
         _native.gather_into(out.astype(np.int32), [src], np.array([0], dtype=np.int64))
     with pytest.raises(OverflowError):
         _native.gather_into(out, [src], np.array([0], dtype=np.int64), -1)
+
+
+def test_gather_bindings_refuse_overlapping_arrays() -> None:
+    """Two arrays over one buffer that rust-numpy does not see as aliased (no common base
+    object, as with two ``torch.from_numpy`` views) are refused when the output overlaps an
+    input, before any copy; disjoint ones are fine."""
+    buf = torch.arange(64, dtype=torch.uint8)
+    out, src = buf[8:24].numpy(), buf[0:16].numpy()
+    assert out.base is not src.base
+    i64 = lambda *v: np.array(v, dtype=np.int64)  # noqa: E731
+    with pytest.raises(PackedTensorError, match="overlaps input array 0"):
+        _native.gather_into(out, [src], i64(0))
+    with pytest.raises(PackedTensorError, match="overlaps input array 0"):
+        _native.gather_ranges_into(out, src, i64(0), i64(16), i64(0))
+    # an index array that is a view of the output buffer is an input too
+    order_bytes = torch.zeros(24, dtype=torch.uint8)
+    with pytest.raises(PackedTensorError, match="overlaps input array 1"):
+        _native.gather_into(
+            order_bytes[:8].numpy(), [buf[:8].numpy()], order_bytes[:8].view(torch.int64).numpy()
+        )
+    assert buf[:8].tolist() == list(range(8))
+    _native.gather_into(buf[16:32].numpy(), [buf[0:16].numpy()], i64(0))
+    assert buf[16:32].tolist() == list(range(16))
 
 
 def test_gather_ranges_into_binding_errors() -> None:

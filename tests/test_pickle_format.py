@@ -117,3 +117,29 @@ def test_reduce_names_only_the_class_and_copyreg() -> None:
         if op.name == "GLOBAL"
     }
     assert names == {"copy_reg", "mmpack.packed", "__builtin__", "_codecs"}
+
+
+@pytest.mark.parametrize("protocol", [2, 5])
+def test_a_value_whose_tensors_no_longer_fit_its_layout_is_not_written(protocol: int) -> None:
+    """``pickle.dumps`` refuses a value whose pickle would not load, naming the value and both
+    counts, instead of writing it."""
+    from mmpack.errors import LayoutError, LayoutMismatchError
+
+    dedup = P([torch.ones(2), torch.zeros(3)], 0).enable_deduplication()
+    dedup.tensors.append(torch.ones(4))
+    with pytest.raises(
+        LayoutMismatchError, match=r"3 entries .* provenance for 2 physical"
+    ) as info:
+        pickle.dumps(dedup, protocol=protocol)
+    assert f"{id(dedup):#x}" in str(info.value) and "(3 rows)" in str(info.value)
+    assert isinstance(info.value, pickle.PicklingError) and isinstance(info.value, LayoutError)
+    csr = P([torch.ones(2), torch.zeros(3)], 0, _row_offsets=[0, 2], _segment_indices=[1, 0])
+    csr.tensors.pop()
+    with pytest.raises(LayoutMismatchError, match=r"1 entries .* physical segment 1"):
+        pickle.dumps([csr], protocol=protocol)
+    # NeMo-RL allows an unreferenced extra segment without provenance: it still round-trips
+    extra = P([torch.ones(2)], 0, _row_offsets=[0, 1], _segment_indices=[0])
+    extra.tensors.append(torch.zeros(3))
+    got = pickle.loads(pickle.dumps(extra, protocol=protocol))
+    assert len(got.tensors) == 2 and got._segment_indices == [0]
+    assert torch.equal(got.as_tensor(), torch.ones(2))

@@ -19,7 +19,8 @@ __all__ = ["PackedTensor", "__version__"]
 
 def __getattr__(name: str) -> Any:
     if name == "PackedTensor":
-        from mmpack.packed import PackedTensor
+        from mmpack import _pickle_operation
 
-        return PackedTensor
+        # not ``from mmpack.packed import``: only a pickler's own lookup may reach the module
+        return _pickle_operation.packed_class()
     raise AttributeError(f"module 'mmpack' has no attribute {name!r}")

@@ -287,14 +287,33 @@ def _check_out(
     return out
 
 
+def _byte_range(t: torch.Tensor) -> tuple[int, int] | None:
+    """The bytes ``[start, end)`` that ``t`` reads or writes (``None`` when it has no elements):
+    its first element's address (storage data pointer plus storage offset) to one past its
+    last, over its strides; for a layout without strides, its whole storage."""
+    if t.numel() == 0:
+        return None
+    if t.layout != torch.strided or t.is_nested:
+        storage = t.untyped_storage()
+        return storage.data_ptr(), storage.data_ptr() + storage.nbytes()
+    start = t.data_ptr()
+    last = sum((n - 1) * st for n, st in zip(t.shape, t.stride(), strict=True))
+    return start, start + (last + 1) * t.element_size()
+
+
 def _check_no_overlap(out: torch.Tensor, sources: Sequence[torch.Tensor]) -> None:
-    if out.numel() == 0:
+    """Refuse ``out`` when its bytes overlap those of a segment (two views of one buffer, or
+    of one storage, overlap when their byte ranges do; disjoint views of one arena do not)."""
+    out_range = _byte_range(out)
+    if out_range is None:
         return
-    base = out.untyped_storage().data_ptr()
+    lo, hi = out_range
     for s in sources:
-        if s.numel() and s.untyped_storage().data_ptr() == base:
+        seg = _byte_range(s)
+        if seg is not None and seg[0] < hi and lo < seg[1]:
             raise OutBufferError(
-                "out= shares memory with a segment being materialized; "
+                f"out= shares memory with a segment being materialized (a {tuple(s.shape)} "
+                f"segment at bytes [{seg[0]:#x}, {seg[1]:#x}), out= at [{lo:#x}, {hi:#x})); "
                 "the output cannot overlap its inputs"
             )
 

@@ -316,6 +316,7 @@ def check_padded(
 
 # --- gather ---
 
+def gather_threads() -> int: ...
 def gather_into(
     out: numpy.ndarray[Any, numpy.dtype[numpy.uint8]],
     sources: list[numpy.ndarray[Any, numpy.dtype[numpy.uint8]]],

@@ -28,8 +28,10 @@ subclasses, sparse or nested layouts, lazy conjugate or negative bits) goes to `
 
 Groups keep tensor identity across the values of one pickle, as the pickle memo does for
 NeMo-RL: the first value that pickles a tensor puts it in its own group, and later values of the
-same pickling operation reference that group object, which the memo writes once. An operation is
-recognized by a token that only the groups of the running pickle keep alive.
+same pickling operation reference that group object, which the memo writes once. Which values
+belong to one operation, and what a group writes when another operation references it, is
+``mmpack._pickle_operation``'s concern: a payload depends only on the values pickled into it.
+A group member that no value of the payload references may be an empty placeholder.
 
 **Reading.** ``restore`` takes that state, NeMo-RL's current six-field ``__dict__`` state and
 its pre-deduplication three-field one (``tensors``, ``dim_to_pack``, ``pad_to_max_shape``). Any
@@ -41,16 +43,22 @@ from __future__ import annotations
 
 import copyreg
 import math
-import pickle
-import threading
-import weakref
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from torch._utils import _flatten_dense_tensors
 
 from mmpack._native import LayoutError, MmpackError, PackedLayout
+from mmpack._pickle_operation import (
+    GROUP_FORMAT,
+    SEGMENTS_FORMAT,
+    STATE_KEY,
+    THREADS,
+    Group,
+    plan_segments,
+)
+from mmpack.compat._memory_budget import charge
+from mmpack.errors import LayoutMismatchError
 
 if TYPE_CHECKING:
     from mmpack.packed import PackedTensor
@@ -61,29 +69,13 @@ __all__ = ["FIELDS", "RAW_FIELDS", "STATE_KEY", "reduce", "restore"]
 FIELDS = frozenset(("tensors", "dim_to_pack", "pad_to_max_shape", "_layout"))
 #: NeMo-RL's row mapping and provenance attributes, as its ``__dict__`` states hold them.
 RAW_FIELDS = ("_row_offsets", "_segment_indices", "_segment_provenance")
-STATE_KEY = "__mmpack_packed_tensor__"
 CORRUPT = "corrupt PackedTensor pickle"
-_SEGMENTS_FORMAT = "mmpack.segments/2"
-_GROUP_FORMAT = "mmpack.group/1"
-_BUFFER_DTYPES = {
-    d: str(d).removeprefix("torch.")
-    for d in (
-        torch.float64,
-        torch.float32,
-        torch.float16,
-        torch.bfloat16,
-        torch.int64,
-        torch.int32,
-        torch.int16,
-        torch.int8,
-        torch.uint8,
-        torch.bool,
-        torch.complex64,
-        torch.complex128,
-    )
-}
-_STRIDED = torch.strided
-_TENSOR = torch.Tensor
+# What restoring builds, charged to a restricted load's budget (``mmpack.compat``) first: per
+# group member (a tensor view and its shape; measured 115-600 bytes), per segment slot, and per
+# byte of a row layout (the native handle's copies).
+_MEMBER_COST = 640
+_SEGMENT_COST = 96
+_LAYOUT_COST_PER_BYTE = 4
 
 
 # ---------------------------------------------------------------------------------------------
@@ -93,158 +85,50 @@ _TENSOR = torch.Tensor
 def reduce(value: PackedTensor) -> tuple[Any, ...]:
     """``value.__reduce_ex__``'s result: the reconstructor and the state described above."""
     lay = value._lay()
+    tensors = value.tensors
     layout_state = None
     if lay is not None:
         offsets, indices = lay.offsets(), lay.indices()
+        _check_fits(value, lay, indices, len(tensors))
         layout_state = (
             None if offsets is None else offsets.astype("<i8", copy=False).tobytes(),
             None if indices is None else indices.astype("<i8", copy=False).tobytes(),
             lay.provenance_blob(),
         )
     extra = {k: v for k, v in value.__dict__.items() if k not in FIELDS} or None
+    op = THREADS.op()
+    plan = plan_segments(tensors, op)
     state = {
         STATE_KEY: 1,
         "dim_to_pack": value.dim_to_pack,
         "pad_to_max_shape": value.pad_to_max_shape,
         "layout": layout_state,
-        "segments": _encode_segments(value.tensors),
+        "segments": plan.segments,
         "extra": extra,
     }
+    THREADS.begin_value(value, state, plan, op)
     return (copyreg._reconstructor, (type(value), object, None), state)  # type: ignore[attr-defined]
 
 
-def _bufferable(t: Any) -> bool:
-    """A plain CPU tensor whose bytes can be written as they are (no autograd, subclass,
-    sparse/nested layout or lazy conjugate/negative bit)."""
-    return (
-        type(t) is _TENSOR
-        and t.dtype in _BUFFER_DTYPES
-        and t.is_cpu
-        and not t.requires_grad
-        and t.layout is _STRIDED
-        and not t.is_nested
-        and not t.is_neg()
-        and not t.is_conj()
-    )
-
-
-class _PickleOp:
-    """Token of one pickling operation: which tensors already sit in which group."""
-
-    __slots__ = ("__weakref__", "written")
-
-    def __init__(self) -> None:
-        self.written: dict[int, tuple[weakref.ref[_Group], int]] = {}
-
-
-class _Group:
-    """Tensors written together (pickled as a private ``PackedTensor``, see the module docs)."""
-
-    __slots__ = ("__weakref__", "members", "op", "ref")
-
-    def __init__(self, op: _PickleOp) -> None:
-        self.members: list[torch.Tensor] = []
-        self.op = op  # keeps the operation's token alive while the pickler's memo holds us
-        self.ref = weakref.ref(self)
-
-    def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
-        from mmpack.packed import PackedTensor  # a group unpickles as a legacy PackedTensor
-
-        proto = protocol if isinstance(protocol, int) else 2
-        state = {STATE_KEY: 1, "group": _encode_group(self.members, proto)}
-        return (copyreg._reconstructor, (PackedTensor, object, None), state)  # type: ignore[attr-defined]
-
-
-_current_op: Any = lambda: None  # noqa: E731  (a dead weak reference)
-_op_lock = threading.Lock()
-
-
-def _pickle_op() -> _PickleOp:
-    global _current_op
-    with _op_lock:
-        op = _current_op()
-        if op is None:
-            op = _PickleOp()
-            _current_op = weakref.ref(op)
-        return op
-
-
-def _i64_bytes(values: Any) -> bytes:
-    return np.asarray(values, dtype="<i8").tobytes()
+def _check_fits(value: PackedTensor, lay: PackedLayout, indices: np.ndarray | None, n: int) -> None:
+    """Refuse to write a value whose ``tensors`` no longer fit its row layout (say, a segment
+    appended to a deduplicated value's list): its pickle would not load."""
+    problem = None
+    if lay.has_provenance:
+        if lay.n_physical != n:
+            problem = f"its layout has provenance for {lay.n_physical} physical segments"
+    elif indices is not None and indices.size and int(indices.max()) >= n:
+        problem = f"its row mapping references physical segment {int(indices.max())}"
+    if problem is not None:
+        raise LayoutMismatchError(
+            f"cannot pickle {type(value).__name__} at {id(value):#x} ({len(value)} rows): "
+            f"its tensors list has {n} entries but {problem}; the pickle would not load "
+            "(was a segment appended to or removed from .tensors?)"
+        )
 
 
 def _i64_array(data: Any) -> np.ndarray:
     return np.frombuffer(data, dtype="<i8").astype(np.int64, copy=False)
-
-
-def _encode_segments(tensors: list[Any]) -> Any:
-    n = len(tensors)
-    codes = [-1] * n
-    pos = [0] * n
-    groups: list[_Group] = []
-    group_slot: dict[int, int] = {}
-    others: list[Any] = []
-    seen: dict[int, tuple[int, int]] = {}
-    op: _PickleOp | None = None
-    own: _Group | None = None
-    own_slot = 0
-    for i, t in enumerate(tensors):
-        if t is None:
-            continue
-        key = id(t)
-        hit = seen.get(key)
-        if hit is None:
-            if op is None:
-                op = _pickle_op()
-            entry = op.written.get(key)
-            group = entry[0]() if entry is not None else None
-            if group is not None and entry is not None:
-                k = group_slot.get(id(group))
-                if k is None:
-                    k = group_slot[id(group)] = len(groups)
-                    groups.append(group)
-                hit = (k, entry[1])
-            elif _bufferable(t):
-                if own is None:
-                    own = _Group(op)
-                    own_slot = group_slot[id(own)] = len(groups)
-                    groups.append(own)
-                j = len(own.members)
-                own.members.append(t)
-                op.written[key] = (own.ref, j)
-                hit = (own_slot, j)
-            else:
-                hit = (-2, len(others))
-                others.append(t)
-            seen[key] = hit
-        codes[i], pos[i] = hit
-    return (_SEGMENTS_FORMAT, _i64_bytes(codes), _i64_bytes(pos), groups, others)
-
-
-def _encode_group(members: list[torch.Tensor], protocol: int) -> Any:
-    n = len(members)
-    dtypes = [0] * n
-    ranks = [0] * n
-    dims: list[int] = []
-    by_dtype: dict[torch.dtype, int] = {}
-    parts: list[list[torch.Tensor]] = []
-    for j, t in enumerate(members):
-        dtype = t.dtype
-        g = by_dtype.get(dtype)
-        if g is None:
-            g = by_dtype[dtype] = len(parts)
-            parts.append([])
-        parts[g].append(t)
-        dtypes[j] = g
-        shape = t.shape
-        ranks[j] = len(shape)
-        dims.extend(shape)
-    buffers: list[tuple[str, Any]] = []
-    for dtype, g in by_dtype.items():
-        arr = _flatten_dense_tensors(parts[g]).view(torch.uint8).numpy()
-        buf: Any = pickle.PickleBuffer(arr) if protocol >= 5 else arr.tobytes()
-        buffers.append((_BUFFER_DTYPES[dtype], buf))
-    return (_GROUP_FORMAT, _i64_bytes(dtypes), _i64_bytes(ranks), _i64_bytes(dims), buffers)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -264,6 +148,8 @@ def restore(obj: PackedTensor, state: Any) -> None:
         isinstance(lay, PackedLayout) and lay.n_physical == len(state["tensors"])
     ):
         raise LayoutError(f"{CORRUPT}: _layout does not fit tensors")
+    entries = sum(len(v) for k in RAW_FIELDS if isinstance(v := state.get(k), list))
+    charge(64 * entries, "a NeMo-RL row layout")
     d = obj.__dict__
     d.update(state)
     if any(k in d for k in RAW_FIELDS) or "_layout" not in d:
@@ -325,7 +211,7 @@ def _writable_bytes(buf: Any) -> Any:
 
 def _decode_group(payload: Any) -> list[Any]:
     fmt, dtypes, ranks, dims, buffers = payload
-    if fmt != _GROUP_FORMAT:
+    if fmt != GROUP_FORMAT:
         raise LayoutError(f"unknown PackedTensor pickle format {fmt!r}")
     dtypes_a, ranks_a, dims_a = _i64_array(dtypes), _i64_array(ranks), _i64_array(dims)
     if (
@@ -336,6 +222,8 @@ def _decode_group(payload: Any) -> list[Any]:
         or (len(dtypes_a) and not 0 <= int(dtypes_a.min()) <= int(dtypes_a.max()) < len(buffers))
     ):
         raise LayoutError(f"{CORRUPT}: inconsistent tensor tables")
+    copied = sum(memoryview(buf).nbytes for _, buf in buffers if memoryview(buf).readonly)
+    charge(_MEMBER_COST * len(dtypes_a) + 48 * len(dims_a) + copied, "a PackedTensor group")
     dtypes_l, ranks_l, dims_l = dtypes_a.tolist(), ranks_a.tolist(), dims_a.tolist()
     n = len(dtypes_l)
     shapes: list[Any] = [None] * n
@@ -362,12 +250,15 @@ def _decode_group(payload: Any) -> list[Any]:
 
 def _decode_segments(payload: Any) -> list[Any]:
     fmt, codes, pos, groups, others = payload
-    if fmt != _SEGMENTS_FORMAT:
+    if fmt != SEGMENTS_FORMAT:
         raise LayoutError(f"unknown PackedTensor pickle format {fmt!r}")
     codes_a, pos_a = _i64_array(codes), _i64_array(pos)
     if len(codes_a) != len(pos_a) or (len(codes_a) and (codes_a.min() < -2 or pos_a.min() < 0)):
         raise LayoutError(f"{CORRUPT}: inconsistent segment tables")
-    group_lists = [g.members if isinstance(g, _Group) else g.tensors for g in groups]
+    charge(_SEGMENT_COST * len(codes_a), "PackedTensor segments")
+    group_lists = [
+        [g.member(j) for j in range(len(g))] if isinstance(g, Group) else g.tensors for g in groups
+    ]
     out: list[Any] = []
     append = out.append
     for c, j in zip(codes_a.tolist(), pos_a.tolist(), strict=True):
@@ -403,6 +294,8 @@ def _restore_fields(obj: PackedTensor, state: dict[str, Any]) -> None:
     layout_state = state["layout"]
     if layout_state is not None:
         offsets, indices, blob = layout_state
+        nbytes = sum(len(part) for part in (offsets, indices, blob) if part is not None)
+        charge(_LAYOUT_COST_PER_BYTE * nbytes, "a PackedTensor row layout")
         lay = PackedLayout.build(
             len(tensors),
             None if offsets is None else _i64_array(offsets),

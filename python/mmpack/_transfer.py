@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import math
+import os
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -59,6 +60,16 @@ class TransferCounters:
 
 _COUNTERS = TransferCounters()
 _COUNTERS_LOCK = threading.Lock()
+
+
+def _new_lock_in_child() -> None:
+    # A fork while another thread held the lock would leave it held forever in the child.
+    global _COUNTERS_LOCK
+    _COUNTERS_LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_lock_in_child)
 
 
 def transfer_counters() -> TransferCounters:

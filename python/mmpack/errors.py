@@ -70,6 +70,13 @@ class PinMemoryUnavailableError(PackedTensorError, RuntimeError):
     memory for (page-locked memory needs CUDA)."""
 
 
+class LayoutMismatchError(LayoutError, pickle.PicklingError):
+    """A ``PackedTensor`` is pickled while its ``tensors`` list no longer fits its row layout
+    (a segment appended to or removed from ``tensors`` of a deduplicated value, or a segment
+    index past the end of the list): its pickle would not load. The message names the value
+    and both counts. Also a ``pickle.PicklingError``."""
+
+
 class SegmentMismatchError(PackedTensorError, RuntimeError):
     """The segments of a ``PackedTensor`` cannot be concatenated by ``as_tensor``: they live on
     different devices (or on ``meta`` while data is needed), have different ranks, or differ in
@@ -157,6 +164,13 @@ class CorruptPickleError(PickleSecurityError):
     records); the original error is chained as ``__cause__``."""
 
 
+class PickleTooLargeError(PickleSecurityError):
+    """``mmpack.compat.nemo_rl.loads`` / ``load`` would need more memory than a payload of that
+    size may cost: by default 32 times its size plus 64 MiB, or the caller's ``max_bytes=``.
+    Refused before the memory is allocated; the message gives the payload's size and the
+    bound."""
+
+
 # --- end compat ---
 
 __all__ = [
@@ -165,6 +179,7 @@ __all__ = [
     "MmpackError",
     # --- PackedTensor ---
     "LayoutError",
+    "LayoutMismatchError",
     "OutBufferError",
     "PackedTensorError",
     "PinMemoryUnavailableError",
@@ -201,5 +216,6 @@ __all__ = [
     # --- compat (pure Python) ---
     "CorruptPickleError",
     "PickleSecurityError",
+    "PickleTooLargeError",
     "UnsafePickleError",
 ]

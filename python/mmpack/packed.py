@@ -34,6 +34,8 @@ Private hooks for other mmpack modules:
 
 from __future__ import annotations
 
+import sys
+import types
 from collections.abc import Iterator, Sequence
 from copy import deepcopy
 from typing import Any
@@ -41,7 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mmpack import _gather, _pickle_format, _transfer
+from mmpack import _gather, _pickle_format, _pickle_operation, _transfer
 from mmpack._coerce import I64_MAX, I64_MIN, count_int, host_tensor, index_array
 from mmpack._native import (
     IndexOverflowError,
@@ -599,3 +601,18 @@ class PackedTensor:
         mapping as int64 bytes and one provenance blob, plain CPU tensors as one byte buffer per
         dtype shared by every value of the same pickle. See ``mmpack._pickle_format``."""
         return _pickle_format.reduce(self)
+
+
+class _PackedModule(types.ModuleType):
+    """This module's type: it reports lookups of ``PackedTensor`` to the pickle format. A
+    pickler looks the class up here once, when it writes the global for its first value, which
+    is how the format tells one pickling operation from the next (see
+    ``mmpack._pickle_operation``)."""
+
+    def __getattribute__(self, name: str) -> Any:
+        if name == "PackedTensor":
+            _pickle_operation.pickler_started()
+        return super().__getattribute__(name)
+
+
+sys.modules[__name__].__class__ = _PackedModule

@@ -19,7 +19,9 @@ undoes it.
 through a restricted unpickler that admits only what a PackedTensor payload needs (see
 ``mmpack.compat.safe_unpickle``): any other global raises
 :class:`mmpack.errors.UnsafePickleError`, undecodable bytes raise
-:class:`mmpack.errors.CorruptPickleError`.
+:class:`mmpack.errors.CorruptPickleError`, and a payload that needs more memory than
+``max_bytes=`` (default 32 times its size plus 64 MiB) raises
+:class:`mmpack.errors.PickleTooLargeError`.
 """
 
 from __future__ import annotations

@@ -13,8 +13,19 @@
 //!
 //! [`gather_ranges_into`] is the same gather over byte ranges of one source buffer, for many
 //! small segments that the caller first compacted into one buffer (one view instead of many).
+//!
+//! The parallel copy runs on this module's own rayon pool, never rayon's global one, and the
+//! pool belongs to the process that built it. A process forked from one that already copied in
+//! parallel (DataLoader and Energon workers on Linux) inherits the pool's memory but none of its
+//! threads, so work handed to it would wait forever: the child notices its new pid and builds a
+//! pool of its own. The pool's lock is only ever tried, never waited on (a lock held by a thread
+//! of the parent at the fork stays held in the child forever); without it the copy runs on the
+//! calling thread, with the same result.
+use std::sync::{Arc, Mutex, TryLockError};
+
 use crate::error::{CoreError, CoreResult};
 use rayon::prelude::*;
+use rayon::{ThreadPool, ThreadPoolBuilder};
 
 /// Below this many output bytes the copy runs on the calling thread (rayon's fork/join costs
 /// more than it saves).
@@ -23,6 +34,44 @@ const PARALLEL_MIN_BYTES: usize = 1 << 20;
 const MAX_PIECE_BYTES: usize = 1 << 20;
 /// Aim for at least this many bytes per rayon leaf task.
 const MIN_LEAF_BYTES: usize = 1 << 16;
+
+/// The gather's thread pool and the pid of the process that built it.
+static POOL: Mutex<Option<(u32, Arc<ThreadPool>)>> = Mutex::new(None);
+
+/// This process's gather pool, built on first use (and again in a forked child); `None` when
+/// the pool is busy being looked up by another thread or cannot be built: copy sequentially.
+fn process_pool() -> Option<Arc<ThreadPool>> {
+    let pid = std::process::id();
+    let mut slot = match POOL.try_lock() {
+        Ok(guard) => guard,
+        Err(TryLockError::Poisoned(poisoned)) => poisoned.into_inner(),
+        Err(TryLockError::WouldBlock) => return None,
+    };
+    if let Some((owner, pool)) = slot.as_ref() {
+        if *owner == pid {
+            return Some(Arc::clone(pool));
+        }
+    }
+    // A pool inherited through fork: its worker threads do not exist in this process, and
+    // dropping it would signal them and wait, so it is leaked (a few hundred bytes per fork).
+    if let Some(inherited) = slot.take() {
+        std::mem::forget(inherited);
+    }
+    let pool = ThreadPoolBuilder::new()
+        .thread_name(|i| format!("mmpack-gather-{i}"))
+        .build()
+        .ok()?;
+    let pool = Arc::new(pool);
+    *slot = Some((pid, Arc::clone(&pool)));
+    Some(pool)
+}
+
+/// Threads of this process's gather pool (builds it if needed; 1 when there is none): the
+/// parallel path is taken for outputs of at least 1 MiB when this is 2 or more.
+#[must_use]
+pub fn parallel_threads() -> usize {
+    process_pool().map_or(1, |pool| pool.current_num_threads())
+}
 
 /// Total output bytes of a gather: `sum(len(sources[k]) for k in order)`, checking every index
 /// and that every referenced source splits into `outer` equal blocks.
@@ -234,17 +283,27 @@ fn copy_blocks(out: &mut [u8], blocks: &[&[u8]]) {
             pieces.push((dst, block));
         }
     }
-    if total < PARALLEL_MIN_BYTES || rayon::current_num_threads() < 2 {
-        for (dst, src) in pieces {
-            dst.copy_from_slice(src);
-        }
+    let pool = if total < PARALLEL_MIN_BYTES {
+        None
     } else {
-        let average = total / pieces.len().max(1);
-        let min_len = (MIN_LEAF_BYTES / average.max(1)).max(1);
-        pieces
-            .into_par_iter()
-            .with_min_len(min_len)
-            .for_each(|(dst, src)| dst.copy_from_slice(src));
+        process_pool().filter(|pool| pool.current_num_threads() >= 2)
+    };
+    match pool {
+        None => {
+            for (dst, src) in pieces {
+                dst.copy_from_slice(src);
+            }
+        }
+        Some(pool) => {
+            let average = total / pieces.len().max(1);
+            let min_len = (MIN_LEAF_BYTES / average.max(1)).max(1);
+            pool.install(|| {
+                pieces
+                    .into_par_iter()
+                    .with_min_len(min_len)
+                    .for_each(|(dst, src)| dst.copy_from_slice(src));
+            });
+        }
     }
 }
 
@@ -301,6 +360,23 @@ mod tests {
         gather_into(&mut out, &sources, &order, 2)?;
         assert!(out == expected);
         Ok(())
+    }
+
+    #[test]
+    fn one_pool_per_process() {
+        // Other tests gather at the same time: a lookup that finds the lock busy gives None.
+        let lookup = || {
+            (0..10_000).find_map(|_| {
+                process_pool().or_else(|| {
+                    std::thread::yield_now();
+                    None
+                })
+            })
+        };
+        let first = lookup();
+        let again = lookup();
+        assert!(matches!((&first, &again), (Some(a), Some(b)) if Arc::ptr_eq(a, b)));
+        assert!(parallel_threads() >= 1);
     }
 
     #[test]
