@@ -71,9 +71,10 @@ def test_count_int_accepts_index_objects_and_refuses_the_rest() -> None:
 # ----------------------------------------------------------------------------- arrays
 
 
-def test_lengths_array_zero_copy_and_errors() -> None:
+def test_lengths_array_private_copy_and_errors() -> None:
     arr = np.arange(1, 5, dtype=np.int64)
-    assert _coerce.lengths_array(arr, "lengths") is arr
+    out = _coerce.lengths_array(arr, "lengths")
+    assert not np.shares_memory(out, arr) and out.tolist() == arr.tolist()
     assert _coerce.lengths_array([], "lengths").dtype == np.int64
     with pytest.raises(PackingDtypeError, match="lengths must be integers, got bools"):
         _coerce.lengths_array(np.array([True]), "lengths")

@@ -7,11 +7,13 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
-from mmpack import pack_stats
+from mmpack import errors, pack_stats
 from mmpack.cli import main
+from mmpack.pack_stats import read_lengths
 from mmpack.packing import pack
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -112,3 +114,41 @@ def test_bench_packing_quick_smoke(tmp_path: Path) -> None:
     rows = report["sft"]["2000/4096"]
     refs = [r for r in rows if r["what"].startswith("reference")]
     assert len(refs) == 4 and all("identical output: True" in r["note"] for r in refs)
+
+
+def test_jsonl_column_is_chosen_once(tmp_path: Path) -> None:
+    # A later line without the first line's column is an error, never another column packed.
+    path = tmp_path / "mixed.jsonl"
+    path.write_text('{"length": 5, "id": 1}\n{"id": 2}\n')
+    with pytest.raises(errors.PackingArgumentError, match="line 2 has no column 'length'"):
+        read_lengths(str(path))
+
+
+@pytest.mark.parametrize(
+    ("name", "text"),
+    [("big.txt", "5\n99999999999999999999\n"), ("big.jsonl", "12345678901234567890123\n")],
+)
+def test_length_beyond_int64_names_the_line(tmp_path: Path, name: str, text: str) -> None:
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(errors.PackingArgumentError, match="beyond int64"):
+        read_lengths(str(path))
+
+
+def test_two_dimensional_npy_is_refused(tmp_path: Path) -> None:
+    path = tmp_path / "two_d.npy"
+    np.save(path, np.array([[1, 2], [3, 4]]))
+    with pytest.raises(errors.PackingArgumentError, match="1-D"):
+        read_lengths(str(path))
+
+
+def test_unwritable_plot_path_is_a_clean_error(tmp_path: Path, capsys: Any) -> None:
+    path = tmp_path / "l.txt"
+    path.write_text("5\n7\n")
+    assert (
+        main(
+            ["pack-stats", str(path), "--capacity", "10", "--plot", str(tmp_path / "no" / "x.png")]
+        )
+        == 2
+    )
+    assert "--plot" in capsys.readouterr().err

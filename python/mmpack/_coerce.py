@@ -157,13 +157,19 @@ def token_count(value: Any, sample_id: Hashable | None) -> int:
 
 
 def lengths_array(values: Any, name: str) -> IntArray:
-    """Packing input (lengths, media counts) as a 1-D ``int64`` array: numpy ``int64`` passes
-    through without a copy (made contiguous if needed); other integer dtypes and sequences are
-    converted; floats, bools, strings and objects raise ``PackingDtypeError``, a ``uint64``
-    value beyond int64 ``ItemTooLargeError`` naming the item."""
+    """Packing input (lengths, media counts) as a 1-D ``int64`` array the caller cannot
+    change: the core reads it with the GIL released, so a caller's array is copied (another
+    thread could rewrite it between the checks and the packing); other integer dtypes and
+    sequences are converted; floats, bools (also inside a list), strings and objects raise
+    ``PackingDtypeError``, a ``uint64`` value beyond int64 ``ItemTooLargeError`` naming the
+    item."""
     if isinstance(values, np.ndarray):
         arr = values
     else:
+        if isinstance(values, (list, tuple)) and any(type(v) is bool for v in values):
+            raise PackingDtypeError(
+                f"{name} must be integers, got bools; convert explicitly, e.g. int(x)"
+            )
         try:
             arr = np.asarray(values)
         except (OverflowError, ValueError, TypeError) as exc:
@@ -183,7 +189,14 @@ def lengths_array(values: Any, name: str) -> IntArray:
         bad = int(np.argmax(arr > I64_MAX))
         singular = name[:-1] if name.endswith("s") else name  # "lengths" -> "length"; "media"
         raise ItemTooLargeError(f"item {bad} has {singular} {int(arr[bad])}, beyond int64")
-    return np.ascontiguousarray(arr, dtype=np.int64)
+    return _private(np.ascontiguousarray(arr, dtype=np.int64), values)
+
+
+def _private(arr: IntArray, source: Any) -> IntArray:
+    """``arr``, copied when it may share memory with the caller's ``source`` array."""
+    if isinstance(source, np.ndarray) and np.may_share_memory(arr, source):
+        return arr.copy()
+    return arr
 
 
 def int64_array(values: Any, what: str, sample_id: Hashable | None = None) -> IntArray:
@@ -254,7 +267,7 @@ def index_array(value: Any, name: str) -> IntArray | list[int]:
     if arr.dtype.kind in "iub":
         if arr.dtype.kind == "u" and arr.dtype.itemsize >= 8 and int(arr.max()) >= 2**63:
             return [int(x) for x in arr]
-        return np.ascontiguousarray(arr, dtype=np.int64)
+        return _private(np.ascontiguousarray(arr, dtype=np.int64), value)
     if arr.dtype == object and all(
         isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in arr
     ):

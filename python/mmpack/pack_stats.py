@@ -88,22 +88,32 @@ def _pick_column(names: Iterable[str], column: str | None, path: str) -> str:
     )
 
 
+def _int64_length(value: int, path: str, k: int) -> int:
+    """A length read from line ``k`` of ``path``; beyond int64 is an error naming the line."""
+    if not -(2**63) <= value < 2**63:
+        raise PackingArgumentError(f"{path}: line {k + 1} has a length beyond int64: {value}")
+    return value
+
+
 def read_lengths(path: str, column: str | None = None, progress: bool = True) -> NDArray[np.int64]:
     """Lengths from a ``.npy``, ``.txt``, ``.jsonl`` or ``.parquet`` file, as ``int64``."""
     show = progress and os.path.getsize(path) > PROGRESS_BYTES
     ext = os.path.splitext(path)[1].lower()
     if ext == ".npy":
-        arr = np.load(path, allow_pickle=False)
-        return np.asarray(arr).reshape(-1)
+        arr = np.asarray(np.load(path, allow_pickle=False))
+        if arr.ndim != 1:
+            raise PackingArgumentError(f"{path}: lengths must be 1-D, got shape {arr.shape}")
+        return arr
     if ext == ".txt":
         values = []
         for k, line in enumerate(_lines(path, show)):
             try:
-                values.append(int(line))
+                value = int(line)
             except ValueError:
                 raise PackingArgumentError(
                     f"{path}: line {k + 1} is not an integer: {line[:40]!r}"
                 ) from None
+            values.append(_int64_length(value, path, k))
         return np.array(values, dtype=np.int64)
     if ext == ".jsonl":
         values = []
@@ -111,12 +121,16 @@ def read_lengths(path: str, column: str | None = None, progress: bool = True) ->
         for k, line in enumerate(_lines(path, show)):
             obj = json.loads(line)
             if isinstance(obj, dict):
-                if col is None or col not in obj:
+                # The column is chosen once, from the first line: a later line without it is
+                # an error, never a silent switch to another column.
+                if col is None:
                     col = _pick_column(obj.keys(), column, f"{path} line {k + 1}")
+                if col not in obj:
+                    raise PackingArgumentError(f"{path}: line {k + 1} has no column {col!r}")
                 obj = obj[col]
             if isinstance(obj, bool) or not isinstance(obj, int):
                 raise PackingArgumentError(f"{path}: line {k + 1} has no integer length: {obj!r}")
-            values.append(obj)
+            values.append(_int64_length(obj, path, k))
         return np.array(values, dtype=np.int64)
     if ext == ".parquet":
         import pyarrow.parquet as pq
@@ -200,6 +214,10 @@ def run(args: argparse.Namespace) -> int:
             f"| {r.efficiency:>10.4%} | {dt * 1e3:>7.2f} ms |"
         )
     if args.plot:
-        _plot([r for r, _ in results], args.plot)
+        try:
+            _plot([r for r, _ in results], args.plot)
+        except OSError as exc:
+            print(f"mmpack pack-stats: --plot: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return 2
         print(f"wrote {args.plot}")
     return 0

@@ -34,8 +34,8 @@ from mmpack.demos.comparison import OPTION, import_comparison
 
 __all__ = [
     "StepTimes",
-    "expand_mmpack",
     "expand_by_deepcopy",
+    "expand_mmpack",
     "main",
     "make_images",
     "per_prompt_values",
