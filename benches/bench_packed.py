@@ -43,7 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import mmpack
 import numpy as np
 import torch
-from mmpack.demos.rl import expand_mmpack, expand_by_deepcopy, make_images, per_prompt_values
+from mmpack.demos.rl import expand_by_deepcopy, expand_mmpack, make_images, per_prompt_values
 from reference.packed_tensor import PackedTensor as Ref
 
 MM: Any = mmpack.PackedTensor
