@@ -101,16 +101,6 @@ class PickleOp:
     def __init__(self) -> None:
         self.written: dict[int, tuple[weakref.ref[Group], int]] = {}
 
-    def find(self, t: Any) -> tuple[Group, int] | None:
-        entry = self.written.get(id(t))
-        if entry is None:
-            return None
-        group = entry[0]()
-        slot = entry[1]
-        if group is None or not group.shareable or group.member(slot) is not t:
-            return None  # a dead group, one written partly, or an id reused by a new tensor
-        return group, slot
-
     def add(self, group: Group) -> None:
         for j, t in enumerate(group.members or ()):
             self.written[id(t)] = (group.ref, j)
@@ -196,15 +186,26 @@ def plan_segments(tensors: list[Any], op: PickleOp | None) -> Plan:
     seen: dict[int, tuple[int, int]] = {}
     own_members: list[torch.Tensor] = []
     own_slot = -1
+    written = op.written if op is not None else {}
     for i, t in enumerate(tensors):
         if t is None:
             continue
         key = id(t)
         hit = seen.get(key)
         if hit is None:
-            found = op.find(t) if op is not None else None
-            if found is not None:
-                group, j = found
+            # a group of this operation holding t: alive, not written partly, and t itself
+            # (not a new tensor that reuses the id of a dead one)
+            entry = written.get(key)
+            group = entry[0]() if entry is not None else None
+            if group is not None and group.shareable:
+                j = entry[1]  # type: ignore[index]
+                members = group.members
+                member = members[j] if members is not None else group.refs[j]()  # type: ignore[index]
+                if member is not t:
+                    group = None
+            else:
+                group = None
+            if group is not None:
                 k = group_slot.get(id(group))
                 if k is None:
                     k = group_slot[id(group)] = len(groups)
