@@ -139,7 +139,10 @@ class Group:
     def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
         needed = THREADS.needed(self)
         n = len(self)
-        members = [self.member(j) if needed is None or j in needed else None for j in range(n)]
+        if needed is None and self.members is not None:
+            members: list[torch.Tensor | None] = list(self.members)  # the usual first write
+        else:
+            members = [self.member(j) if needed is None or j in needed else None for j in range(n)]
         if needed is not None and len(needed) < n:
             self.shareable = False  # this pickler's memo now holds a partial copy
         if self.members is not None:  # written: keep weak references only
