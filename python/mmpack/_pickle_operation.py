@@ -327,7 +327,6 @@ def packed_class() -> type[PackedTensor]:
     return cls
 
 
-
 def i64_bytes(values: Any) -> bytes:
     return np.asarray(values, dtype="<i8").tobytes()
 
