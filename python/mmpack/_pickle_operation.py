@@ -10,7 +10,7 @@ three facts stand in for it:
 * an operation never spans threads: each thread has its own current operation;
 * a pickler writes the ``mmpack.packed.PackedTensor`` global once, for its first value, right
   after that value's ``__reduce_ex__``; ``mmpack.packed`` reports the lookup
-  (:func:`pickler_started`), and that value starts a new operation (its segments are planned
+  (:class:`PackedModule`), and that value starts a new operation (its segments are planned
   again on their own if they referenced another operation's groups);
 * a group's ``__reduce_ex__`` runs only when the running pickler has not written it yet: it
   writes the members that the value being written needs and an empty placeholder for any
@@ -28,6 +28,7 @@ import importlib
 import pickle
 import sys
 import threading
+import types
 import weakref
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -46,9 +47,9 @@ __all__ = [
     "STATE_KEY",
     "THREADS",
     "Group",
+    "PackedModule",
     "Plan",
     "packed_class",
-    "pickler_started",
     "plan_segments",
 ]
 
@@ -139,7 +140,10 @@ class Group:
     def __reduce_ex__(self, protocol: Any) -> tuple[Any, ...]:
         needed = THREADS.needed(self)
         n = len(self)
-        members = [self.member(j) if needed is None or j in needed else None for j in range(n)]
+        if needed is None and self.members is not None:
+            members: list[torch.Tensor | None] = list(self.members)  # the usual first write
+        else:
+            members = [self.member(j) if needed is None or j in needed else None for j in range(n)]
         if needed is not None and len(needed) < n:
             self.shareable = False  # this pickler's memo now holds a partial copy
         if self.members is not None:  # written: keep weak references only
@@ -304,17 +308,23 @@ class ThreadState(threading.local):
 THREADS = ThreadState()
 
 
+class PackedModule(types.ModuleType):
+    """The type of the ``mmpack.packed`` module: it reports lookups of ``PackedTensor`` to
+    ``ThreadState.pickler_started``. A pickler looks the class up there once, when it writes
+    the global for its first value."""
+
+    def __getattribute__(self, name: str) -> Any:
+        if name == "PackedTensor":
+            THREADS.pickler_started()
+        return super().__getattribute__(name)
+
+
 def packed_class() -> type[PackedTensor]:
-    """``mmpack.packed.PackedTensor``, read without the lookup that ``pickler_started`` sees."""
+    """``mmpack.packed.PackedTensor``, read without a lookup that :class:`PackedModule`
+    would report."""
     module = sys.modules.get("mmpack.packed") or importlib.import_module("mmpack.packed")
     cls: type[PackedTensor] = vars(module)["PackedTensor"]
     return cls
-
-
-def pickler_started() -> None:
-    """Called by ``mmpack.packed`` when something looks up its ``PackedTensor`` attribute: a
-    pickler does that once, when it writes the class global for its first value."""
-    THREADS.pickler_started()
 
 
 def i64_bytes(values: Any) -> bytes:

@@ -35,7 +35,6 @@ Private hooks for other mmpack modules:
 from __future__ import annotations
 
 import sys
-import types
 from collections.abc import Iterator, Sequence
 from copy import deepcopy
 from typing import Any
@@ -603,16 +602,5 @@ class PackedTensor:
         return _pickle_format.reduce(self)
 
 
-class _PackedModule(types.ModuleType):
-    """This module's type: it reports lookups of ``PackedTensor`` to the pickle format. A
-    pickler looks the class up here once, when it writes the global for its first value, which
-    is how the format tells one pickling operation from the next (see
-    ``mmpack._pickle_operation``)."""
-
-    def __getattribute__(self, name: str) -> Any:
-        if name == "PackedTensor":
-            _pickle_operation.pickler_started()
-        return super().__getattribute__(name)
-
-
-sys.modules[__name__].__class__ = _PackedModule
+# A pickler's lookup of ``PackedTensor`` here tells one pickling operation from the next.
+sys.modules[__name__].__class__ = _pickle_operation.PackedModule
