@@ -158,8 +158,8 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
             )
             check_chat_template(self.encode_conversation, cfg.modalities)
         self._probe_packer()
-        self._probe_batch_options()
         self._check_ignore_index()
+        self._probe_batch_options()
         check_hooks(
             self,
             restored_hooks=self.RESTORED_HOOKS,
