@@ -35,6 +35,15 @@ def test_unknown_field_suggests_the_closest_name() -> None:
         PackingEncoderConfig.from_dict({"capacty": 10})
 
 
+def test_unknown_constructor_keyword_is_a_typed_error_with_a_hint() -> None:
+    with pytest.raises(
+        EnergonConfigError, match=r"unknown field 'capacty' \(did you mean 'capacity'\?\)"
+    ):
+        PackingEncoderConfig(capacty=10)  # type: ignore[call-arg]
+    with pytest.raises(EnergonConfigError, match=r"field 'seq_length' was retired"):
+        PackingEncoderConfig(seq_length=10)  # type: ignore[call-arg]
+
+
 @pytest.mark.parametrize(
     ("field", "replacement"),
     [
@@ -147,6 +156,18 @@ def test_encoder_rejects_invalid_packing_options_at_construction(tokenizer: Any)
     cfg = PackingEncoderConfig(algorithm="no_such_algorithm")
     with pytest.raises(EnergonConfigError, match="packing options rejected"):
         PackingTaskEncoder(cfg, tokenizer=tokenizer, processor={"patch_size": 16})
+
+
+@pytest.mark.parametrize("ignore_index", [0, 5])
+def test_encoder_rejects_an_ignore_index_that_is_a_token_id(
+    tokenizer: Any, ignore_index: int
+) -> None:
+    cfg = PackingEncoderConfig(ignore_index=ignore_index)
+    with pytest.raises(EnergonConfigError, match=rf"ignore_index={ignore_index} is a valid token"):
+        PackingTaskEncoder(cfg, tokenizer=tokenizer, processor={"patch_size": 16})
+    beyond = cfg.replace(ignore_index=len(tokenizer))
+    encoder = PackingTaskEncoder(beyond, tokenizer=tokenizer, processor={"patch_size": 16})
+    assert encoder.config.ignore_index == len(tokenizer)
 
 
 def test_encoder_rejects_a_plain_dict_config(tokenizer: Any) -> None:

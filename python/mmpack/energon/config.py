@@ -16,7 +16,7 @@ import dataclasses
 import difflib
 import functools
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -196,21 +196,7 @@ class PackingEncoderConfig:
                 f"{source}: expected a mapping of fields, got {type(data).__name__}"
             )
         data = _rename_deprecated(data, source, stacklevel=4)
-        known = cls.field_names()
-        problems = []
-        for key in data:
-            if key in known:
-                continue
-            if key in RETIRED_FIELDS:
-                problems.append(f"field {key!r} was retired; use {RETIRED_FIELDS[key]} instead")
-            else:
-                close = difflib.get_close_matches(str(key), known, n=1)
-                hint = f" (did you mean {close[0]!r}?)" if close else ""
-                problems.append(f"unknown field {key!r}{hint}")
-        if problems:
-            raise EnergonConfigError(
-                f"{source}: " + "; ".join(problems) + f". Known fields: {', '.join(known)}"
-            )
+        _reject_unknown_fields(data, source)
         try:
             return cls(**data)
         except EnergonConfigError as err:
@@ -276,6 +262,26 @@ def _rename_deprecated(data: Mapping[str, Any], source: str, *, stacklevel: int)
     return out
 
 
+def _reject_unknown_fields(keys: Iterable[Any], source: str) -> None:
+    """Raise `EnergonConfigError` for keys that are no field, naming retired fields'
+    replacements and suggesting the closest known name for typos."""
+    known = PackingEncoderConfig.field_names()
+    problems = []
+    for key in keys:
+        if key in known:
+            continue
+        if key in RETIRED_FIELDS:
+            problems.append(f"field {key!r} was retired; use {RETIRED_FIELDS[key]} instead")
+        else:
+            close = difflib.get_close_matches(str(key), known, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            problems.append(f"unknown field {key!r}{hint}")
+    if problems:
+        raise EnergonConfigError(
+            f"{source}: " + "; ".join(problems) + f". Known fields: {', '.join(known)}"
+        )
+
+
 def _accept_renamed_keywords(init: Callable[..., None]) -> Callable[..., None]:
     """Let the dataclass constructor take the deprecated field names as keywords. (Wrapping the
     generated ``__init__`` keeps the old names out of the fields, so they never show up in
@@ -285,6 +291,8 @@ def _accept_renamed_keywords(init: Callable[..., None]) -> Callable[..., None]:
     def __init__(self: PackingEncoderConfig, *args: Any, **kwargs: Any) -> None:
         if any(old in kwargs for old in RENAMED_FIELDS):
             kwargs = _rename_deprecated(kwargs, "", stacklevel=4)
+        # a typo'd keyword gets the same typed error and hint as from_dict, not a bare TypeError
+        _reject_unknown_fields(kwargs, "PackingEncoderConfig")
         init(self, *args, **kwargs)
 
     return __init__

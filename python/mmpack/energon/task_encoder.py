@@ -158,6 +158,7 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
             )
             check_chat_template(self.encode_conversation, cfg.modalities)
         self._probe_packer()
+        self._check_ignore_index()
         self._probe_batch_options()
         check_hooks(
             self,
@@ -193,6 +194,19 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
             pack_samples([probe], **{**self.pack_options(), "loss_mask_mode": "precomputed"})
         except BatchOptionError as err:
             raise EnergonConfigError(f"batch options rejected by pack_samples: {err}") from err
+
+    def _check_ignore_index(self) -> None:
+        """Refuse an ``ignore_index`` that is a token id of the tokenizer: labels of that token
+        would be ignored by the loss (caught here, not only by the batch that first holds it)."""
+        if self.tokenizer is None:
+            return
+        vocab_size = len(self.tokenizer)
+        if 0 <= self.config.ignore_index < vocab_size:
+            raise EnergonConfigError(
+                f"ignore_index={self.config.ignore_index} is a valid token id of the tokenizer "
+                f"(vocabulary size {vocab_size}), so labels of that token would be ignored by "
+                "the loss; use a negative value such as -100"
+            )
 
     def dataset_options(self) -> dict[str, int]:
         """The packing options of ``get_train_dataset`` / ``get_val_dataset`` that must match
