@@ -92,5 +92,5 @@ def test_packs_join_into_one_micro_batch(tokenizer: Any, worker: Any) -> None:
 def test_batch_options_that_break_the_fields_stop_the_encoder(
     tokenizer: Any, changes: dict[str, int], needle: str
 ) -> None:
-    with pytest.raises(EnergonConfigError, match=f"batch options rejected.*{needle}"):
+    with pytest.raises(EnergonConfigError, match=needle):
         _encoder(tokenizer, **changes)
