@@ -105,3 +105,29 @@ def next_token_loss(
         logits.float(), labels, ignore_index=ignore_index, reduction="sum"
     )
     return loss, int((labels != ignore_index).sum())
+
+
+def summarize(
+    packs: list[Any], losses: list[tuple[float, float, int]], encoder: PackingTaskEncoder
+) -> dict[str, Any]:
+    """What every example returns: packed vs unpacked loss per pack, and the loader's counts."""
+    return {
+        "packs": len(packs),
+        "samples": sum(len(p) for p in packs),
+        "losses": losses,
+        "max_abs_diff": max(abs(p - u) for p, u, _ in losses),
+        "stats": encoder.stats.snapshot(),
+        "packs_data": packs,
+        "encoder": encoder,
+    }
+
+
+def report(family: str, result: dict[str, Any]) -> None:
+    """Print an example's result: one line per pack, then the largest difference."""
+    print(f"{family}: {result['samples']} samples in {result['packs']} packs")
+    for i, (packed, unpacked, count) in enumerate(result["losses"]):
+        print(
+            f"  pack {i}: loss packed {packed:.6f}  unpacked {unpacked:.6f}  "
+            f"|diff| {abs(packed - unpacked):.2e}  ({count} trained tokens)"
+        )
+    print(f"max |packed - unpacked| = {result['max_abs_diff']:.2e}")

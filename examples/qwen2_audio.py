@@ -26,6 +26,8 @@ from common import (
     generic_sample,
     load_packs,
     next_token_loss,
+    report,
+    summarize,
     word_tokenizer,
     write_dataset,
 )
@@ -163,27 +165,13 @@ def run(root: Path, *, loss_mask_mode: str | None = None) -> dict[str, Any]:
     packs = load_packs(write_samples(root), encoder)
     model = build_model(processor.tokenizer)
     results = [packed_and_unpacked_loss(model, pack) for pack in packs]
-    return {
-        "packs": len(packs),
-        "samples": sum(len(p) for p in packs),
-        "losses": results,
-        "max_abs_diff": max(abs(p - u) for p, u, _ in results),
-        "stats": encoder.stats.snapshot(),
-        "packs_data": packs,
-        "encoder": encoder,
-    }
+    return summarize(packs, results, encoder)
 
 
 def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         result = run(Path(tmp))
-    print(f"Qwen2-Audio: {result['samples']} samples in {result['packs']} packs")
-    for i, (packed, unpacked, count) in enumerate(result["losses"]):
-        print(
-            f"  pack {i}: loss packed {packed:.6f}  unpacked {unpacked:.6f}  "
-            f"|diff| {abs(packed - unpacked):.2e}  ({count} trained tokens)"
-        )
-    print(f"max |packed - unpacked| = {result['max_abs_diff']:.2e}")
+    report("Qwen2-Audio", result)
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from mmpack.energon import PackingEncoderConfig, PackingTaskEncoder
 from mmpack.energon.synthetic import png_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from common import generic_sample, load_packs, next_token_loss, word_tokenizer
+from common import generic_sample, load_packs, next_token_loss, report, summarize, word_tokenizer
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -276,15 +276,7 @@ def run(
     packs = load_packs(path, encoder, workers=workers)
     model = build_model(processor.tokenizer)
     results = [packed_and_unpacked_loss(model, pack) for pack in packs]
-    return {
-        "packs": len(packs),
-        "samples": sum(len(p) for p in packs),
-        "losses": results,
-        "max_abs_diff": max(abs(p - u) for p, u, _ in results),
-        "stats": encoder.stats.snapshot(),
-        "packs_data": packs,
-        "encoder": encoder,
-    }
+    return summarize(packs, results, encoder)
 
 
 def main() -> None:
@@ -293,13 +285,7 @@ def main() -> None:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         result = run(Path(tmp), video=args.video)
-    print(f"Qwen2-VL: {result['samples']} samples in {result['packs']} packs")
-    for i, (packed, unpacked, count) in enumerate(result["losses"]):
-        print(
-            f"  pack {i}: loss packed {packed:.6f}  unpacked {unpacked:.6f}  "
-            f"|diff| {abs(packed - unpacked):.2e}  ({count} trained tokens)"
-        )
-    print(f"max |packed - unpacked| = {result['max_abs_diff']:.2e}")
+    report("Qwen2-VL", result)
 
 
 if __name__ == "__main__":
