@@ -12,7 +12,9 @@
   exposing mmpack's class, so that the import line and ``pickle.load`` of NeMo-RL payloads work.
 
 ``install()`` returns which of the two it did (``"patched"`` or ``"shim"``); ``uninstall()``
-undoes it.
+undoes it. ``install(accelerate=True)`` (NeMo-RL installed, off by default) also replaces NeMo-RL's
+hot ``BatchedDataDict`` methods with faster ones that give the same results (see
+``mmpack.compat.nemo_rl_batched``); ``accelerated()`` tells whether they are in place.
 
 ``loads(data)`` / ``load(file)`` read pickles written by NeMo-RL (``pickle``, ``cloudpickle`` or
 ``torch.save``) into mmpack objects, without ``nemo_rl`` installed and without ``install()``,
@@ -34,15 +36,24 @@ from typing import Any
 from mmpack.compat import NEMO_RL_MODULE
 from mmpack.compat.safe_unpickle import load, loads
 
-__all__ = ["NEMO_RL_CLASS_PATH", "install", "installed", "load", "loads", "uninstall"]
+__all__ = [
+    "NEMO_RL_CLASS_PATH",
+    "accelerated",
+    "install",
+    "installed",
+    "load",
+    "loads",
+    "uninstall",
+]
 
 NEMO_RL_CLASS_PATH = f"{NEMO_RL_MODULE}.PackedTensor"
 
 
 class _InstallState:
     mode: str | None = None
-    # (module, attribute name, previous value)
-    patched: list[tuple[types.ModuleType, str, Any]] = []  # noqa: RUF012
+    accelerated: bool = False
+    # (module or class, attribute name, previous value)
+    patched: list[tuple[types.ModuleType | type, str, Any]] = []  # noqa: RUF012
     shim_modules: list[str] = []  # noqa: RUF012
 
 
@@ -51,13 +62,52 @@ def installed() -> str | None:
     return _InstallState.mode
 
 
-def install() -> str:
+def accelerated() -> bool:
+    """Whether ``install(accelerate=True)`` replaced NeMo-RL's ``BatchedDataDict`` methods."""
+    return _InstallState.accelerated
+
+
+def install(*, accelerate: bool = False) -> str:
     """Make NeMo-RL use ``mmpack.PackedTensor``; return ``"patched"`` or ``"shim"``.
 
-    Idempotent: a second call returns the mode of the first without doing anything.
+    ``accelerate=True`` also sets mmpack's versions of NeMo-RL's hot ``BatchedDataDict`` methods
+    (``mmpack.compat.nemo_rl_batched``); it needs NeMo-RL's ``batched_data_dict`` module to
+    import, and raises ``ImportError`` naming it otherwise.
+
+    Idempotent: a second call returns the mode of the first without doing anything, except that
+    ``accelerate=True`` adds the methods if the first call did not.
     """
-    if _InstallState.mode is not None:
-        return _InstallState.mode
+    # Import NeMo-RL's module before changing anything, so that a failure changes nothing.
+    batched = _batched_data_dict_module() if accelerate and not _InstallState.accelerated else None
+    if _InstallState.mode is None:
+        _install_class()
+    if batched is not None:
+        from mmpack.compat.nemo_rl_batched import accelerated_methods
+
+        for name, method in accelerated_methods().items():
+            _set(batched.BatchedDataDict, name, method)
+        _InstallState.accelerated = True
+    assert _InstallState.mode is not None
+    return _InstallState.mode
+
+
+def _batched_data_dict_module() -> types.ModuleType:
+    from mmpack.compat.nemo_rl_batched import BATCHED_DATA_DICT_MODULE
+
+    if _InstallState.mode == "shim":
+        raise ImportError(
+            f"install(accelerate=True) needs NeMo-RL, and {NEMO_RL_MODULE} is mmpack's shim"
+        )
+    try:
+        return importlib.import_module(BATCHED_DATA_DICT_MODULE)
+    except ImportError as exc:
+        raise ImportError(
+            f"install(accelerate=True) needs NeMo-RL's {BATCHED_DATA_DICT_MODULE}, which did "
+            f"not import: {exc}"
+        ) from exc
+
+
+def _install_class() -> None:
     from mmpack.packed import PackedTensor as ours
 
     try:
@@ -78,7 +128,7 @@ def install() -> str:
                     if value is original:
                         _set(other, name, ours)
         _InstallState.mode = "patched"
-        return "patched"
+        return
 
     parts = NEMO_RL_MODULE.split(".")
     for depth in range(1, len(parts) + 1):
@@ -94,26 +144,28 @@ def install() -> str:
             _set(sys.modules[".".join(parts[: depth - 1])], parts[depth - 1], shim)
     _set(sys.modules[NEMO_RL_MODULE], "PackedTensor", ours)
     _InstallState.mode = "shim"
-    return "shim"
 
 
 _MISSING = object()
 
 
-def _set(module: types.ModuleType, name: str, value: Any) -> None:
-    _InstallState.patched.append((module, name, module.__dict__.get(name, _MISSING)))
-    setattr(module, name, value)
+def _set(owner: types.ModuleType | type, name: str, value: Any) -> None:
+    """Set ``owner.name`` (a module's or a class's own attribute), remembering what it was."""
+    _InstallState.patched.append((owner, name, owner.__dict__.get(name, _MISSING)))
+    setattr(owner, name, value)
 
 
 def uninstall() -> None:
     """Undo ``install()``: restore every patched attribute and drop the shim modules."""
-    for module, name, previous in reversed(_InstallState.patched):
+    for owner, name, previous in reversed(_InstallState.patched):
         if previous is _MISSING:
-            module.__dict__.pop(name, None)
+            if name in owner.__dict__:
+                delattr(owner, name)
         else:
-            setattr(module, name, previous)
+            setattr(owner, name, previous)
     for name in reversed(_InstallState.shim_modules):
         sys.modules.pop(name, None)
     _InstallState.patched = []
     _InstallState.shim_modules = []
     _InstallState.mode = None
+    _InstallState.accelerated = False
