@@ -365,16 +365,19 @@ class Fingerprint:
         self._feed(h, value)
         return h.hexdigest()
 
-    def _tensor(self, t: Any) -> str:
+    def _tensor(self, t: Any, cache: bool = False) -> str:
+        """``cache``: a physical segment, fingerprinted once however many rows reference it
+        (the cache keeps it alive; materialized tensors are not cached, so they can be freed)."""
         import torch
 
-        hit = self._tensor_cache.get(id(t))
+        hit = self._tensor_cache.get(id(t)) if cache else None
         if hit is not None and hit[0] is t:
             return hit[1]
         flat = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
         digest = hashlib.blake2b(memoryview(flat.numpy()), digest_size=16).hexdigest()
         out = f"T{t.dtype}{tuple(t.shape)}{digest}"
-        self._tensor_cache[id(t)] = (t, out)
+        if cache:
+            self._tensor_cache[id(t)] = (t, out)
         return out
 
     def _feed(self, h: Any, value: Any) -> None:
@@ -412,7 +415,7 @@ class Fingerprint:
                 label = groups.setdefault(
                     provenance[i] if provenance is not None else ("no", i), len(groups)
                 )
-                row.append((None if seg is None else self._tensor(seg), label))
+                row.append((None if seg is None else self._tensor(seg, cache=True), label))
             rows.append(row)
         h = hashlib.blake2b(
             repr((p.dim_to_pack, p.pad_to_max_shape, provenance is not None, rows)).encode(),
@@ -567,7 +570,8 @@ def parent(args: argparse.Namespace) -> int:
             results[mode] = json.loads(out.read_text())
         base = results.get("nemo_rl")
         print(
-            f"\n## B = {prompts} prompts, G = {args.generations}: {base and base['rows']} rows, {SHARDS} shards"
+            f"\n## B = {prompts} prompts, G = {args.generations}: "
+            f"{base and base['rows']} rows, {SHARDS} shards"
         )
         modes = list(results)
         print(
@@ -601,7 +605,8 @@ def parent(args: argparse.Namespace) -> int:
         for m in modes:
             pb = results[m]["payload_bytes"]
             print(
-                f"payload bytes per shard, {m}: packing {pb[:SHARDS]}, dynamic {pb[SHARDS:]} (total {sum(pb):,})"
+                f"payload bytes per shard, {m}: packing {pb[:SHARDS]}, "
+                f"dynamic {pb[SHARDS:]} (total {sum(pb):,})"
             )
         if args.verify:
             for m in modes[1:]:
@@ -643,7 +648,8 @@ def main() -> int:
         "--threads",
         type=int,
         default=1,
-        help="torch / OpenMP / mmpack threads per process (1: ratios about the code, not about core contention)",
+        help="torch / OpenMP / mmpack threads per process "
+        "(1: ratios about the code, not about core contention)",
     )
     ap.add_argument("--out", default="target/bench-nemo-rl")
     ap.add_argument(

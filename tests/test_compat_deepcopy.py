@@ -5,9 +5,11 @@ with the memo's entries."""
 from __future__ import annotations
 
 import copy
+import warnings
 from typing import Any
 
 import mmpack
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -168,7 +170,9 @@ def test_errors_are_torch_errors() -> None:
         fast_deepcopy([non_leaf])
 
 
-atoms = st.one_of(st.integers(), st.text(max_size=3), st.none(), st.booleans(), st.floats(allow_nan=False))
+atoms = st.one_of(
+    st.integers(), st.text(max_size=3), st.none(), st.booleans(), st.floats(allow_nan=False)
+)
 
 
 @st.composite
@@ -183,7 +187,9 @@ def message_logs(draw: Any) -> Any:
             base = draw(st.sampled_from([p for p in pool if isinstance(p, torch.Tensor)]))
             t = base.reshape(-1)[: max(1, base.numel() // 2)] if base.numel() else base
         else:
-            t = torch.arange(draw(st.integers(0, 5)), dtype=draw(st.sampled_from([torch.int64, torch.float32])))
+            t = torch.arange(
+                draw(st.integers(0, 5)), dtype=draw(st.sampled_from([torch.int64, torch.float32]))
+            )
             if kind == "grad" and t.is_floating_point():
                 t.requires_grad_(True)
         pool.append(t)
@@ -196,7 +202,9 @@ def message_logs(draw: Any) -> Any:
         if choice == 1:
             return tensor()
         if choice == 2:
-            value = {draw(st.text(max_size=2)): node(depth + 1) for _ in range(draw(st.integers(0, 3)))}
+            value = {
+                draw(st.text(max_size=2)): node(depth + 1) for _ in range(draw(st.integers(0, 3)))
+            }
         elif choice == 3:
             value = [node(depth + 1) for _ in range(draw(st.integers(0, 3)))]
         elif choice == 4:
@@ -218,3 +226,63 @@ def message_logs(draw: Any) -> Any:
 def test_property_same_result_as_copy_deepcopy(case: Any) -> None:
     value, memo = case
     assert_same_copy(value, memo)
+
+
+class StorageHolder:
+    """A user object whose own ``__deepcopy__`` copies a tensor's storage through the memo."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+    def __deepcopy__(self, memo: dict[Any, Any]) -> Any:
+        return self.t.untyped_storage().__deepcopy__(memo)
+
+
+def test_storage_copies_are_where_torch_looks_for_them() -> None:
+    t = torch.arange(4.0)
+    out = fast_deepcopy([t, StorageHolder(t)])
+    assert out[1].data_ptr() == out[0].untyped_storage().data_ptr()
+    given_copy = torch.UntypedStorage(16)
+    memo: dict[Any, Any] = {"torch": {t.untyped_storage()._cdata: given_copy}}
+    assert fast_deepcopy([t], memo)[0].untyped_storage().data_ptr() == given_copy.data_ptr()
+
+
+def test_dtypes_a_clone_would_change_or_refuse_are_copied_byte_for_byte() -> None:
+    raw = torch.from_numpy(np.frombuffer(bytes([0, 2, 255]), dtype=np.bool_).copy())
+    assert fast_deepcopy(raw).view(torch.uint8).tolist() == [0, 2, 255]
+    sub_byte = torch.arange(4, dtype=torch.uint8).view(torch.uint4)
+    assert fast_deepcopy(sub_byte).view(torch.uint8).tolist() == [0, 1, 2, 3]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch deprecates the quantized dtypes
+        quantized_view = torch.arange(4, dtype=torch.int8).view(torch.qint8)
+        out = fast_deepcopy(quantized_view)
+        assert out.dtype == torch.qint8 and out.view(torch.int8).tolist() == [0, 1, 2, 3]
+        assert out.untyped_storage().data_ptr() != quantized_view.untyped_storage().data_ptr()
+
+
+def test_strided_nested_tensors_raise_what_torch_raises() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the strided nested layout is a prototype
+        nested = torch.nested.nested_tensor([torch.ones(2), torch.ones(3)])
+        assert_same_copy([nested])
+
+
+def test_torch_modes_see_tensor_deepcopy() -> None:
+    from torch.overrides import TorchFunctionMode
+
+    seen: list[str] = []
+
+    class Recording(TorchFunctionMode):
+        def __torch_function__(
+            self, func: Any, types: Any, args: Any = (), kwargs: Any = None
+        ) -> Any:
+            seen.append(getattr(func, "__name__", str(func)))
+            return func(*args, **(kwargs or {}))
+
+    with Recording():
+        fast_deepcopy([torch.ones(2)])
+    assert "__deepcopy__" in seen
+
+
+def test_keyword_arguments_are_copy_deepcopys() -> None:
+    assert fast_deepcopy(x=[1, [2]], memo={}) == [1, [2]]

@@ -62,12 +62,16 @@ class BatchedDataDict(UserDict):  # type: ignore[type-arg]
             if torch.is_tensor(value):
                 out[key] = value.repeat_interleave(num_repeats, dim=0)
             elif isinstance(value, mmpack.PackedTensor):
-                raise NotImplementedError("PackedTensor does not currently support repeat_interleave")
+                raise NotImplementedError(
+                    "PackedTensor does not currently support repeat_interleave"
+                )
             else:
                 rows = []
                 for item in value:
                     shared = (
-                        prepare_sharing(item, media_context=key in MEDIA_KEYS) if share_immutable_media else {}
+                        prepare_sharing(item, media_context=key in MEDIA_KEYS)
+                        if share_immutable_media
+                        else {}
                     )
                     rows.extend(copy.deepcopy(item, dict(shared)) for _ in range(num_repeats))
                 out[key] = rows
@@ -132,7 +136,12 @@ def describe(batch: Any) -> Any:
     def walk(v: Any) -> Any:
         ref = ids.setdefault(id(v), len(ids))
         if isinstance(v, torch.Tensor):
-            return ("T", ref, storages.setdefault(v.untyped_storage().data_ptr(), len(storages)), v.tolist())
+            return (
+                "T",
+                ref,
+                storages.setdefault(v.untyped_storage().data_ptr(), len(storages)),
+                v.tolist(),
+            )
         if isinstance(v, mmpack.PackedTensor):
             return ("P", ref, [walk(t) for t in v.tensors], v._segment_provenance, len(v))
         if isinstance(v, dict):
@@ -141,11 +150,17 @@ def describe(batch: Any) -> Any:
             return (type(v).__name__, ref, [walk(x) for x in v])
         return ("A", ref if type(v) is object else None, v if type(v) is not object else None)
 
-    return (type(batch).__name__, [(k, walk(v)) for k, v in batch.data.items()], batch.micro_batch_indices)
+    return (
+        type(batch).__name__,
+        [(k, walk(v)) for k, v in batch.data.items()],
+        batch.micro_batch_indices,
+    )
 
 
 @pytest.mark.parametrize("share", [True, False])
-def test_accelerated_repeat_interleave_equals_deepcopy_version(nemo: types.ModuleType, share: bool) -> None:
+def test_accelerated_repeat_interleave_equals_deepcopy_version(
+    nemo: types.ModuleType, share: bool
+) -> None:
     reference_method = nemo.BatchedDataDict.repeat_interleave
     assert compat.install(accelerate=True) == "patched"
     assert compat.accelerated()
@@ -163,7 +178,10 @@ def test_accelerated_repeat_interleave_equals_deepcopy_version(nemo: types.Modul
     rows[0][1]["token_ids"][0] = -1  # copies are independent
     assert rows[1][1]["token_ids"][0] == 0 and batch["message_log"][0][1]["token_ids"][0] == 0
     # The system turn is a view of the user turn's ids in the source, and still is in each copy.
-    assert rows[0][0]["token_ids"].untyped_storage().data_ptr() == rows[0][1]["token_ids"].untyped_storage().data_ptr()
+    assert (
+        rows[0][0]["token_ids"].untyped_storage().data_ptr()
+        == rows[0][1]["token_ids"].untyped_storage().data_ptr()
+    )
     shared_media = rows[0][1]["pixel_values"].tensors[0] is rows[1][1]["pixel_values"].tensors[0]
     assert shared_media is share
     assert (ours["vllm_images"][0][0] is batch["vllm_images"][0][0]) is share
@@ -189,12 +207,14 @@ def test_uninstall_restores_nemo_rl_methods(nemo: types.ModuleType) -> None:
 
 
 def test_accelerate_without_nemo_rl_changes_nothing() -> None:
-    saved = {name: module for name, module in sys.modules.items() if name.split(".")[0] == "nemo_rl"}
+    saved = {
+        name: module for name, module in sys.modules.items() if name.split(".")[0] == "nemo_rl"
+    }
     for name in saved:
         del sys.modules[name]
     compat.uninstall()
     try:
-        with pytest.raises(ImportError, match="nemo_rl.distributed.batched_data_dict"):
+        with pytest.raises(ImportError, match=r"nemo_rl\.distributed\.batched_data_dict"):
             compat.install(accelerate=True)
         assert compat.installed() is None and not compat.accelerated()
         assert "nemo_rl.data.multimodal_utils" not in sys.modules

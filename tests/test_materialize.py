@@ -64,6 +64,13 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return fresh.reshape(-1).view(torch.uint8)
 
 
+@pytest.fixture(autouse=True)
+def _native_gather_for_every_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests are about the native gather: small outputs take it too (normally they are
+    joined by one torch.cat; see test_small_outputs_are_one_torch_cat_with_the_same_result)."""
+    monkeypatch.setattr(_gather, "SMALL_OUTPUT_BYTES", 0)
+
+
 def _native_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     calls: list[int] = []
     real = _native.gather_into
@@ -548,3 +555,29 @@ def _check_against_reference(
         out = torch.empty_like(ref)
         again = _ours(tensors, indices, dim, pad, out=out)
         assert again is out and _same(out, ref)
+
+
+def test_small_outputs_are_one_torch_cat_with_the_same_result(monkeypatch: pytest.MonkeyPatch) -> None:
+    gen = torch.Generator().manual_seed(3)
+    segs: list[Any] = [_rand((3, 5), torch.float32, gen), None, _rand((2, 5), torch.float32, gen)]
+    cases = [([0, 1, 2, 0, 2, 2, 1], 0), (None, 0), ([2, 0], -2)]
+    for indices, dim in cases:
+        monkeypatch.setattr(_gather, "SMALL_OUTPUT_BYTES", 0)
+        native = _ours(segs, indices, dim, False)
+        monkeypatch.setattr(_gather, "SMALL_OUTPUT_BYTES", 1 << 20)
+        calls = _native_calls(monkeypatch)
+        cat = _ours(segs, indices, dim, False)
+        assert not calls, "a small output went to the native gather"
+        assert cat.dtype == native.dtype and cat.shape == native.shape and cat.is_contiguous()
+        assert torch.equal(cat, native)
+    # What torch.cat refuses goes to the main path, which names the segments.
+    bad = [torch.zeros(2, 3), torch.zeros(2, 4)]
+    with pytest.raises(SegmentMismatchError):
+        _ours(bad, None, 0, False)
+    # Mixed dtypes keep the main path's behaviour too.
+    mixed = [torch.zeros(2, 3), torch.zeros(1, 3, dtype=torch.float64)]
+    monkeypatch.setattr(_gather, "SMALL_OUTPUT_BYTES", 0)
+    expected = _ours(mixed, None, 0, False)
+    monkeypatch.setattr(_gather, "SMALL_OUTPUT_BYTES", 1 << 20)
+    got = _ours(mixed, None, 0, False)
+    assert got.dtype == expected.dtype and torch.equal(got, expected)

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from mmpack import _native, _transfer
+from mmpack import _gather, _native, _transfer
 from mmpack.batch import EncodedSample, pack_samples
 from mmpack.errors import OutBufferError, PinMemoryUnavailableError
 from mmpack.packed import PackedTensor
@@ -48,6 +48,7 @@ def _g16() -> tuple[PackedTensor, RefPT]:
 
 
 def test_as_tensor_uses_the_native_gather(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(_gather, "SMALL_OUTPUT_BYTES", 0)
     value, ref = _g16()
     calls = _counting(monkeypatch)
     got = value.as_tensor()
