@@ -557,7 +557,9 @@ def _check_against_reference(
         assert again is out and _same(out, ref)
 
 
-def test_small_outputs_are_one_torch_cat_with_the_same_result(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_small_outputs_are_one_torch_cat_with_the_same_result(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     gen = torch.Generator().manual_seed(3)
     segs: list[Any] = [_rand((3, 5), torch.float32, gen), None, _rand((2, 5), torch.float32, gen)]
     cases = [([0, 1, 2, 0, 2, 2, 1], 0), (None, 0), ([2, 0], -2)]
