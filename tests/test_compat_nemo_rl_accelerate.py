@@ -5,7 +5,7 @@ for ``nemo_rl.data.multimodal_utils`` and ``nemo_rl.distributed.batched_data_dic
 accelerated method reads (``PackedTensor``, ``NATIVE_MULTIMODAL_KEYS``,
 ``_prepare_multimodal_sharing``, a ``UserDict``-based ``BatchedDataDict``) and compares it with
 the plain ``copy.deepcopy`` version written here. NeMo-RL's own tests run against the real module
-with ``tests/nemo_rl/run_fidelity.py``.
+with ``tests/nemo_rl_fidelity/run_fidelity.py``.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ own pytest process both ways; the junit reports are compared test by test.
 Usage (NeMo-RL needs Python >= 3.12; the venv is created if missing and reused otherwise)::
 
     git clone https://github.com/NVIDIA-NeMo/RL nemo-rl
-    python3 tests/nemo_rl/run_fidelity.py --nemo-rl nemo-rl --venv .venv-nemo-rl \\
+    python3 tests/nemo_rl_fidelity/run_fidelity.py --nemo-rl nemo-rl --venv .venv-nemo-rl \\
         --out fidelity-out
 
 Options worth knowing:
