@@ -24,13 +24,15 @@ message holds token ids and Qwen2-VL-like ``pixel_values`` (patches x 1176, floa
 7. ``BatchedDataDict.from_batches`` of the shards back into one batch.
 
 Run with the side environment that can import NeMo-RL (Python >= 3.12, torch, transformers,
-cloudpickle, and mmpack installed or on ``PYTHONPATH``)::
+ray, and mmpack installed or on ``PYTHONPATH``)::
 
     python benches/bench_nemo_rl_grpo.py --nemo-rl PATH/TO/NeMo-RL --prompts 256,1024
 
-Image sizes are scaled by ``--patches`` (side length range in 14-pixel patches) so that the
-largest batch fits in memory; the per-row bookkeeping, which is what differs between the two
-implementations, does not depend on it.
+Image sizes are set by ``--patches`` (the image side range in 14-pixel patches). With the
+default, B = 1024 peaks at about 11 GiB per process; B = 4096 needs a smaller range (``2:8``) on
+a 24 GiB machine. The "PackedTensor share" row is the time in the installed class's methods plus
+a Ray hop of each shard's PackedTensor values alone (their part of the hop), from a separate
+timed pass; the rest of the total is NeMo-RL's own code and plain tensors.
 """
 
 from __future__ import annotations
