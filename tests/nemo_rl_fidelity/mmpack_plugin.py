@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -31,7 +32,12 @@ def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
     entries = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     if str(WORKER_SITE) not in entries:
         os.environ["PYTHONPATH"] = os.pathsep.join([str(WORKER_SITE), *entries])
-    nemo_rl.install(accelerate=ACCELERATE)
+    _install(nemo_rl)
+
+
+def _install(nemo_rl: Any) -> str:
+    # Without --accelerate, the plain call: it works with any mmpack version in the venv.
+    return str(nemo_rl.install(accelerate=True) if ACCELERATE else nemo_rl.install())
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -39,9 +45,10 @@ def pytest_configure(config: pytest.Config) -> None:
     from mmpack.compat import nemo_rl
 
     # Idempotent: returns the mode of the early install.
-    mode = nemo_rl.install(accelerate=ACCELERATE)
+    mode = _install(nemo_rl)
     assert mode == "patched", f"mmpack.compat.nemo_rl.install() returned {mode!r}, not 'patched'"
-    assert nemo_rl.accelerated() is ACCELERATE
+    if ACCELERATE:
+        assert nemo_rl.accelerated()
 
     from nemo_rl.data import multimodal_utils
 

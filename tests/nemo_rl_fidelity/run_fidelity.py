@@ -34,7 +34,8 @@ NeMo-RL is used from its checkout through PYTHONPATH, never pip-installed (its d
 include CUDA-only packages). Its unit-test conftest starts Ray and writes result files and test
 assets next to itself, so the tracked files of the checkout are copied to ``OUT/nemo-rl`` and
 the tests run there: the checkout is only read. Each pytest process gets a Ray cluster of its
-own (``RAY_ADDRESS=local``, a private ``RAY_TMPDIR``), not one it finds on the machine.
+own (``ray start`` with a private ``RAY_TMPDIR``, named by ``RAY_ADDRESS``), not one it finds
+on the machine.
 
 ``requirements.txt`` (this directory) lists the light dependencies the tests import on a CPU
 machine; an already installed torch is pinned while installing them. Tests that need a GPU, the
@@ -51,17 +52,21 @@ a setup error; 3 when some file has no complete report in a run; 0 otherwise.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
+import secrets
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ET
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -318,16 +323,24 @@ def _run_pytest(
         env["MMPACK_NEMO_RL_ACCELERATE"] = "1"
     env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     env.setdefault("HF_HUB_OFFLINE", "1")
-    # NeMo-RL's init_ray first attaches to any Ray cluster it can find on the machine
-    # (address="auto" falls back to any running GCS). Each pytest process gets a cluster of its
-    # own instead, with its files in a private directory, so that concurrent Ray users on the
-    # machine neither host these tests nor find their cluster.
-    env["RAY_ADDRESS"] = "local"
+    # NeMo-RL's init_ray attaches to whatever Ray cluster it finds on the machine
+    # (address="auto" falls back to any running GCS), and Ray's state API used by its memory
+    # tracker refuses to choose when there are several. Each pytest process gets a cluster of its
+    # own, named by RAY_ADDRESS, with its files in a private directory, so that other Ray users
+    # on the machine neither host these tests nor break them.
     ray_tmp = tempfile.mkdtemp(prefix="fidray")
     env["RAY_TMPDIR"] = ray_tmp
+    # Ray's token auth, with a token of this cluster's own rather than the user's saved one
+    env["RAY_AUTH_MODE"] = "token"
+    env["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
     t0 = time.monotonic()
     try:
-        rc, timed_out = _run_file(cmd, source, env, log, args.file_timeout)
+        with _ray_cluster(python, env, log.with_suffix(".ray.log")) as address:
+            env["RAY_ADDRESS"] = address
+            rc, timed_out = _run_file(cmd, source, env, log, args.file_timeout)
+    except SetupError as exc:  # no cluster: this file has no result in this run
+        log.write_text(f"{exc}\n")
+        rc, timed_out = -1, False
     finally:
         shutil.rmtree(ray_tmp, ignore_errors=True)
     seconds = time.monotonic() - t0
@@ -402,6 +415,41 @@ def _recheck(
     return rechecks
 
 
+@contextlib.contextmanager
+def _ray_cluster(python: Path, env: dict[str, str], log: Path) -> Iterator[str]:
+    """A single-node Ray cluster for one pytest process; yields its address."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    cmd = [
+        str(python.parent / "ray"),
+        "start",
+        "--head",
+        f"--port={port}",
+        "--include-dashboard=false",
+        "--disable-usage-stats",
+        "--block",
+    ]
+    with log.open("w") as sink:
+        # Own session, as for pytest: stopping the group stops every Ray process of this cluster.
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            deadline = time.monotonic() + 180
+            # the address as the cluster names it (the node's IP, not necessarily loopback)
+            while not (found := re.search(r"--address='([^']+)'", log.read_text())):
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise SetupError(f"ray start did not come up; see {log}")
+                time.sleep(0.5)
+            yield found.group(1)
+        finally:
+            # A throwaway cluster: no graceful drain, the whole group goes at once.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
 def _run_file(
     cmd: list[str], cwd: Path, env: dict[str, str], log: Path, timeout: int
 ) -> tuple[int, bool]:
@@ -453,10 +501,13 @@ def _parse_junit(xml: Path, file: str) -> dict[str, dict[str, Any]]:
 
 def _message(element: ET.Element) -> str:
     text = element.get("message") or ""
-    # a module-level skip's message is only "collection skipped"; the reason is in the text
+    # a module-level skip's message is only "collection skipped"; the reason is in the text,
+    # as the repr of (path, line, "Skipped: ...")
     if not text.strip() or text == "collection skipped":
         lines = [line for line in (element.text or "").splitlines() if line.strip()]
         text = lines[-1] if lines else ""
+        if "Skipped: " in text:
+            text = text[text.index("Skipped: ") :].rstrip("')\"")
     return " ".join(text.split())[:MESSAGE_HEAD]
 
 
