@@ -7,6 +7,9 @@ reaches the Ray workers the tests start through ``worker_site/sitecustomize.py``
 code and its tests use ``mmpack.PackedTensor`` everywhere. Every selected test file runs in its
 own pytest process both ways; the junit reports are compared test by test.
 
+This directory is not named ``nemo_rl``: with ``tests/`` on ``sys.path`` (as in mmpack's own
+suite) it would be found as the ``nemo_rl`` package. Nothing here is collected by that suite.
+
 Usage (NeMo-RL needs Python >= 3.12; the venv is created if missing and reused otherwise)::
 
     git clone https://github.com/NVIDIA-NeMo/RL nemo-rl
@@ -507,7 +510,8 @@ def _message(element: ET.Element) -> str:
         lines = [line for line in (element.text or "").splitlines() if line.strip()]
         text = lines[-1] if lines else ""
         if "Skipped: " in text:
-            text = text[text.index("Skipped: ") :].rstrip("')\"")
+            text = text[text.index("Skipped: ") :]
+            text = text[:-2] if text.endswith(("')", '")')) else text
     return " ".join(text.split())[:MESSAGE_HEAD]
 
 
