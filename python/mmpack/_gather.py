@@ -167,29 +167,28 @@ def _small_cpu_cat(tensors: list[Any], segment_indices: Any, dim_to_pack: int) -
     the output is small (or the gather pool has one thread): the result the native gather would
     give. ``_NOT_SMALL`` otherwise, and whenever ``torch.cat`` refuses them, so that the main
     path gives its own results and errors."""
-    if segment_indices is None:
-        logical = [t for t in tensors if t is not None]
-    else:
-        n = len(tensors)
-        picked = []
-        for i in np.asarray(segment_indices).tolist():
-            if not 0 <= i < n:
-                return _NOT_SMALL
-            picked.append(tensors[i])
-        logical = [t for t in picked if t is not None]
+    n = len(tensors)
+    order = range(n) if segment_indices is None else np.asarray(segment_indices).tolist()
+    # Stop at the first byte past the limit: a large output goes native without a full pass.
+    limit = SMALL_OUTPUT_BYTES if _native.gather_threads() >= 2 else None
+    logical = []
+    dtype = None
+    nbytes = 0
+    for i in order:
+        if not 0 <= i < n:
+            return _NOT_SMALL
+        t = tensors[i]
+        if t is None:
+            continue
+        if not is_plain_cpu(t) or t.dim() == 0 or (dtype is not None and t.dtype != dtype):
+            return _NOT_SMALL
+        dtype = t.dtype
+        nbytes += t.nbytes
+        if limit is not None and nbytes >= limit:
+            return _NOT_SMALL
+        logical.append(t)
     if not logical:
         return None
-    first = logical[0]
-    if type(first) is not torch.Tensor:
-        return _NOT_SMALL
-    dtype = first.dtype
-    nbytes = 0
-    for t in logical:
-        if type(t) is not torch.Tensor or not is_plain_cpu(t) or t.dtype != dtype or t.dim() == 0:
-            return _NOT_SMALL
-        nbytes += t.nbytes
-    if nbytes >= SMALL_OUTPUT_BYTES and _native.gather_threads() >= 2:
-        return _NOT_SMALL
     try:
         return torch.cat(logical, dim=dim_to_pack)
     except (RuntimeError, IndexError):
