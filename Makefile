@@ -51,20 +51,21 @@ lint: venv
 	cargo fmt --all --check --manifest-path fuzz/Cargo.toml
 	cargo clippy --workspace --all-targets --profile $(PROFILE) --locked -- -D warnings
 	cargo clippy --manifest-path fuzz/Cargo.toml --all-targets --locked -- -D warnings
-	ruff check python tests benches
-	ruff format --check python tests benches
+	ruff check python dev tests benches
+	ruff format --check python dev tests benches
 	$(PY) -m mypy
 	$(PY) -m mypy.stubtest mmpack._native --allowlist .stubtest-allowlist
 
 .PHONY: test
 test: test-rust test-python lint  ## everything CI runs
 
-# The demo runs side by side with the test suite's plain-Python references (tests/reference),
-# which the package never ships nor imports: they come in through --compare-with.
+# The demo is development code (dev/mmpack_dev, never in the wheel). It runs side by side with the
+# test suite's plain-Python references (tests/reference), which the package never ships nor
+# imports: they come in through --compare-with.
 DEMO_COMPARE ?= reference.energon:ReferencePackingTaskEncoder
 .PHONY: demo
 demo: build-release  ## the main job
-	PYTHONPATH=tests$${PYTHONPATH:+:$$PYTHONPATH} $(PY) -m mmpack demo --compare-with $(DEMO_COMPARE)
+	PYTHONPATH=dev:tests$${PYTHONPATH:+:$$PYTHONPATH} $(PY) -m mmpack_dev demo --compare-with $(DEMO_COMPARE)
 
 .PHONY: bench
 bench: build-release  ## every benchmark, side by side with the plain-Python references
@@ -80,21 +81,27 @@ wheel: venv  ## release wheel (fat LTO) into dist/, installed into a fresh venv 
 	$(VENV)-wheel/bin/pip install -q --no-deps dist/mmpack-*.whl
 	cd / && $(abspath $(VENV))-wheel/bin/python -c "$$WHEEL_SMOKE"
 
-# The wheel ships the product only: no test oracle, no tests, no benches.
+# The wheel ships the product only: no test oracle, tests, benches, demo, synthetic data or test
+# helpers; every Python file in it is one of the package's wings, integrations or shared modules.
 define WHEEL_CONTENTS
-import sys, zipfile
+import re, sys, zipfile
 names = zipfile.ZipFile(sys.argv[1]).namelist()
-bad = [n for n in names if "reference" in n or n.startswith(("tests/", "benches/"))]
+dev = re.compile(r"reference|demo|synthetic|testing|(^|/)tests?/|(^|/)test_|^benches/|^dev/|mmpack_dev")
+bad = [n for n in names if dev.search(n) and ".dist-info/" not in n]
 assert not bad, f"wheel contains development-only files: {bad}"
-assert "mmpack/packed.py" in names and "mmpack/py.typed" in names, names
-print(f"wheel contents OK: {len(names)} files, no test oracle")
+rooms = ("batch/", "compat/", "energon/", "packed/", "packing/", "safe_load/")
+py = [n.removeprefix("mmpack/") for n in names if n.startswith("mmpack/") and n.endswith(".py")]
+stray = [n for n in py if "/" in n and not n.startswith(rooms)]
+assert not stray, f"wheel has Python files outside the package's rooms: {stray}"
+assert "mmpack/packed/value.py" in names and "mmpack/py.typed" in names, names
+print(f"wheel contents OK: {len(names)} files, product only")
 endef
 export WHEEL_CONTENTS
 
 # Run from / so the source tree cannot shadow the installed wheel; torch is not installed there,
 # which also proves that packing and masks need numpy alone.
 define WHEEL_SMOKE
-import mmpack, mmpack.masks, mmpack.packing
+import mmpack, mmpack.batch.masks, mmpack.packing
 assert "site-packages" in mmpack.__file__, mmpack.__file__
 p = mmpack.packing.pack([3, 5, 2, 7], 10)
 assert sorted(p.item_indices.tolist()) == [0, 1, 2, 3] and p.num_bins == 2
@@ -125,8 +132,8 @@ fuzz:  ## run each cargo-fuzz target for FUZZ_SECONDS seconds, one after the oth
 .PHONY: fmt
 fmt: venv
 	cargo fmt --all
-	ruff format python tests benches
-	ruff check --fix python tests benches
+	ruff format python dev tests benches
+	ruff check --fix python dev tests benches
 
 .PHONY: clean
 clean:

@@ -1,4 +1,4 @@
-"""The Energon SFT pipeline benchmark: the `mmpack demo sft` job, side by side in one run.
+"""The Energon SFT pipeline benchmark: the `mmpack_dev demo sft` job, side by side in one run.
 
 Rows: the real Megatron-Energon loader over a synthetic multimodal SFT dataset (both source
 formats) with (1) mmpack packing + the native batch builder, (2) the same pipeline with the
@@ -20,8 +20,9 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the references
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dev"))  # the development package
 
-from mmpack.demos import sft
+from mmpack_dev.demos import sft
 
 REFERENCE = "reference.energon:ReferencePackingTaskEncoder"
 

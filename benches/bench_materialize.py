@@ -31,8 +31,7 @@ import torch
 # The plain-Python references live with the tests.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
-from mmpack import payload
-from mmpack.packed import PackedTensor
+from mmpack.packed import PackedTensor, payload
 from reference.packed_tensor import PackedTensor as RefPT
 
 G = 16

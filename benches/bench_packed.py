@@ -38,12 +38,13 @@ from pathlib import Path
 from typing import Any
 
 # The plain-Python references live with the tests.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the references
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dev"))  # the development package
 
 import mmpack
 import numpy as np
 import torch
-from mmpack.demos.rl import expand_by_deepcopy, expand_mmpack, make_images, per_prompt_values
+from mmpack_dev.demos.rl import expand_by_deepcopy, expand_mmpack, make_images, per_prompt_values
 from reference.packed_tensor import PackedTensor as Ref
 
 MM: Any = mmpack.PackedTensor

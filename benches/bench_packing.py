@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 import mmpack
 import numpy as np
-from mmpack.compat.nemo_rl_packing import get_packer
+from mmpack.compat.nemo_rl.packing import get_packer
 from mmpack.packing import pack
 from reference import packing as ref
 

@@ -153,7 +153,8 @@ def case_repeat(ops: int) -> dict[str, Any]:
 
     import numpy as np
     import torch
-    from mmpack import PackedTensor, masks, packing
+    from mmpack import PackedTensor, packing
+    from mmpack.batch import masks
 
     segs = [torch.ones(2, 4), torch.zeros(1, 4)]
     prov = [b"a" * 16, b"b" * 16]

@@ -13,7 +13,7 @@ Checks, for a deduplicated G=16 GRPO batch and its expanded legacy twin:
   ``as_tensor`` returns;
 * ``PackedBatch``-style media moves (``move_segments``) keep sharing on the device;
 * a THD micro-batch (``mmpack.batch.micro_batch``, every field: ``labels``, ``loss_mask``,
-  ``token_mask``, positions, offsets) and padded rows (``mmpack.padded_batch.pad_samples``)
+  ``token_mask``, positions, offsets) and padded rows (``mmpack.batch.padded.pad_samples``)
   arrive on the device equal to the host ones, and their fields still pass the checks there.
 
 Prints a markdown table (H2D bytes, median ms) and exits non-zero on any mismatch.
@@ -109,8 +109,8 @@ def main() -> int:
         )
         return 0
 
-    from mmpack import _transfer
     from mmpack.packed import PackedTensor
+    from mmpack.packed import transfer as _transfer
 
     device = torch.device("cuda", torch.cuda.current_device())
     print(f"gpu_check on {torch.cuda.get_device_name(device)}, torch {torch.__version__}\n")
@@ -208,7 +208,7 @@ def main() -> int:
     import dataclasses
 
     from mmpack.batch import EncodedSample, PackedBatch, micro_batch, pack_samples
-    from mmpack.padded_batch import PaddedBatch, pad_samples
+    from mmpack.batch.padded import PaddedBatch, pad_samples
 
     samples = [
         EncodedSample(f"s{i}", torch.arange(3, 3 + n), message_lengths=[2, n - 2],

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 from mmpack.energon import PackingTaskEncoder, make_worker_config
-from mmpack.energon.synthetic import WORDS, write_webdataset
+from mmpack_dev.synthetic import WORDS, write_webdataset
 
 __all__ = [
     "WORDS",

@@ -23,9 +23,10 @@ from typing import Any
 
 import torch
 from mmpack.energon import PackingEncoderConfig, PackingTaskEncoder
-from mmpack.energon.synthetic import WORDS, png_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dev"))  # the synthetic data writer
+from mmpack_dev.synthetic import WORDS, png_bytes
 from common import (
     generic_sample,
     load_packs,

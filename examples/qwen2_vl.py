@@ -19,9 +19,10 @@ from typing import Any
 
 import torch
 from mmpack.energon import PackingEncoderConfig, PackingTaskEncoder
-from mmpack.energon.synthetic import png_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dev"))  # the synthetic data writer
+from mmpack_dev.synthetic import png_bytes
 from common import generic_sample, load_packs, next_token_loss, report, summarize, word_tokenizer
 
 SPECIAL_TOKENS = [
@@ -115,7 +116,7 @@ def write_samples(root: Path, *, video: bool) -> Path:
     """Eight conversations: images of several sizes (one above max_pixels, one used twice in
     its sample, some sizes declared, others read from the PNG header), text-only ones, and
     with `video` two clips."""
-    from mmpack.energon.synthetic import WORDS
+    from mmpack_dev.synthetic import WORDS
 
     def words(i: int, n: int) -> str:
         return " ".join(WORDS[(i * 7 + j * 13) % len(WORDS)] for j in range(n))

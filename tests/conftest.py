@@ -42,7 +42,7 @@ def pytest_runtest_call(item: pytest.Item):  # type: ignore[no-untyped-def]
 @pytest.fixture(scope="module")
 def tokenizer() -> Any:
     """The tiny tokenizer the synthetic dataset writer builds in code (nothing downloaded)."""
-    from mmpack.energon.synthetic import build_tokenizer
+    from mmpack_dev.synthetic import build_tokenizer
 
     return build_tokenizer()
 
@@ -50,7 +50,7 @@ def tokenizer() -> Any:
 @pytest.fixture
 def worker() -> Iterator[Any]:
     """An Energon WorkerConfig for code that needs one outside a running loader."""
-    from mmpack.energon.testing import active_worker
+    from mmpack_dev.energon_testing import active_worker
 
     with active_worker() as config:
         yield config

@@ -1,26 +1,34 @@
 """mmpack: deduplicated multimodal media and packed token sequences, with a Rust core.
 
-Submodules: ``mmpack.packing``, ``mmpack.masks``, ``mmpack.batch``, ``mmpack.padded_batch``,
-``mmpack.payload``, ``mmpack.energon``, ``mmpack.compat.nemo_rl``. ``PackedTensor`` needs torch
-and is imported on first use, so packing and masks work with numpy alone.
+Wings (one folder each): ``mmpack.packed`` (``PackedTensor``, its pickle format, gather,
+transfer, payload sizes), ``mmpack.packing`` (bin packing, rank assignment), ``mmpack.batch``
+(encoded samples, THD and padded batches, field rules, loss masks). Integrations:
+``mmpack.energon`` (task-encoder hooks), ``mmpack.compat.nemo_rl`` (NeMo-RL). The restricted
+loader: ``mmpack.safe_load``. Errors: ``mmpack.errors``. Dependencies point one way: wings never
+import an integration. ``PackedTensor`` needs torch and is imported on first use, so packing and
+masks work with numpy alone. Module paths of earlier releases still import, with a
+``DeprecationWarning`` (``mmpack._moved``).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from mmpack._moved import install_finder
 from mmpack._native import __version__
 
+install_finder()
+
 if TYPE_CHECKING:
-    from mmpack.packed import PackedTensor
+    from mmpack.packed.value import PackedTensor
 
 __all__ = ["PackedTensor", "__version__"]
 
 
 def __getattr__(name: str) -> Any:
     if name == "PackedTensor":
-        from mmpack import _pickle_operation
+        # from the class's room: ``mmpack.packed`` reports lookups to the pickling bookkeeping
+        from mmpack.packed.value import PackedTensor
 
-        # not ``from mmpack.packed import``: only a pickler's own lookup may reach the module
-        return _pickle_operation.packed_class()
+        return PackedTensor
     raise AttributeError(f"module 'mmpack' has no attribute {name!r}")

@@ -6,11 +6,11 @@ here first and refused with a typed exception that names the argument (and the s
 there is one). Three families of wording exist, one per caller family, and their messages are
 part of the API:
 
-* packing arguments (``mmpack.packing``, ``mmpack.ranks``): ``PackingArgumentError`` /
+* packing arguments (``mmpack.packing``, ``mmpack.packing.ranks``): ``PackingArgumentError`` /
   ``PackingDtypeError`` / ``ItemTooLargeError``, "invalid packing argument NAME: ...";
 * batch options (``mmpack.batch``): ``TypeError`` for a non-integer, the given error class
   (``BatchOptionError``) for a value outside its range, "invalid NAME: ...";
-* counts and per-sample arrays (``mmpack.masks``, ``mmpack.batch``, ``mmpack.packed``):
+* counts and per-sample arrays (``mmpack.batch.masks``, ``mmpack.batch``, ``mmpack.packed``):
   ``TypeError`` for a wrong type, a typed ``MmpackError`` for a value out of range,
   "WHAT must ...", with ``WHAT`` naming the sample when there is one.
 

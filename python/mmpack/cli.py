@@ -1,4 +1,4 @@
-"""The ``mmpack`` command: ``mmpack demo [sft|rl]``, ``mmpack pack-stats``.
+"""The ``mmpack`` command: ``mmpack pack-stats`` (the demo is development code: ``make demo``).
 
 Each subcommand lives in its own module exposing ``add_arguments(parser)`` and
 ``run(args) -> int``; this file only routes, so importing it stays cheap.
@@ -13,8 +13,10 @@ from collections.abc import Sequence
 
 # subcommand -> (module, one-line help)
 _COMMANDS: dict[str, tuple[str, str]] = {
-    "demo": ("mmpack.demos", "run the main job (packed multimodal SFT; `demo rl` for GRPO media)"),
-    "pack-stats": ("mmpack.pack_stats", "pack lengths from a file and report bins and efficiency"),
+    "pack-stats": (
+        "mmpack.packing.stats_cli",
+        "pack lengths from a file and report bins and efficiency",
+    ),
 }
 
 
@@ -29,11 +31,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv[:1] == ["demo"] and not (set(argv[1:2]) & {"-h", "--help"}):
-        # The demo's options belong to the pipeline; argparse would reject them here.
-        from mmpack.demos import main as demo_main
-
-        return demo_main(argv[1:])
     args = build_parser().parse_args(argv)
     module = importlib.import_module(_COMMANDS[args.command][0])
     return int(module.run(args))

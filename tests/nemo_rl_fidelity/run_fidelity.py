@@ -74,7 +74,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-REPO_ROOT = HERE.parents[1]
+REPO_ROOT = HERE.parents[2]
 REQUIREMENTS = HERE / "requirements.txt"
 
 # Beyond `git grep -l PackedTensor -- tests/unit`: files whose code under test builds or moves

@@ -2,7 +2,7 @@
 over samples with per-sample torch calls (mask, pad, shift, arange, cat).
 
 The oracle for ``mmpack.batch.pack_samples`` / ``micro_batch`` and
-``mmpack.padded_batch.pad_samples``, and their benchmark baseline: same fields, errors (same
+``mmpack.batch.padded.pad_samples``, and their benchmark baseline: same fields, errors (same
 exception classes) and media joins. ``consistent`` states the rules every batch's fields obey,
 the plain way, for the property tests of the native checks.
 """
@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from mmpack.batch import EncodedSample, PackedBatch, merge_media
+from mmpack.batch.padded import PaddedBatch
 from mmpack.errors import (
     BatchLayoutError,
     BatchOptionError,
@@ -23,7 +24,6 @@ from mmpack.errors import (
     InvalidTokenError,
     MissingFieldError,
 )
-from mmpack.padded_batch import PaddedBatch
 
 from reference import masks as ref_masks
 

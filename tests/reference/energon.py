@@ -2,7 +2,7 @@
 algorithms (`reference.packing`), the torch batch builder (`reference.batch`) and the plain
 `PackedTensor` (`reference.packed_tensor`), behind `PackingTaskEncoder`'s hooks.
 
-The oracle of the loader tests and the other side of ``mmpack demo sft --compare-with
+The oracle of the loader tests and the other side of ``mmpack_dev demo sft --compare-with
 reference.energon:ReferencePackingTaskEncoder`` (``make demo`` passes it).
 """
 
@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 from mmpack.energon import EncodedConversation, PackingTaskEncoder
 from mmpack.errors import EnergonConfigError
-from mmpack.packing import _algorithm_name
+from mmpack.packing import algorithm_name
 
 from reference import batch as ref_batch
 from reference.packed_tensor import PackedTensor as RefPackedTensor
@@ -42,7 +42,7 @@ def reference_pack(
 ) -> ReferencePacking:
     """The reference packer (NeMo-RL's algorithms) behind `mmpack.packing.pack`'s signature."""
     supported = [a.value for a in PackingAlgorithm]
-    name = _algorithm_name(algorithm)  # an unknown name raises as in mmpack.packing.pack
+    name = algorithm_name(algorithm)  # an unknown name raises as in mmpack.packing.pack
     if name not in supported:
         raise EnergonConfigError(
             f"the reference packer runs only NeMo-RL's packing algorithms "

@@ -1,7 +1,7 @@
 """Plain-Python/torch loss-mask functions, the way SFT pipelines write them today: per message
 ``torch.ones``/``torch.zeros`` and ``torch.cat``, validation with elementwise torch ops.
 
-The oracle for ``mmpack.masks`` and its benchmark baseline. Same semantics and the same
+The oracle for ``mmpack.batch.masks`` and its benchmark baseline. Same semantics and the same
 exception classes (messages may differ in wording).
 """
 
@@ -101,7 +101,7 @@ def validate(
 
 
 def turn_spans(token_ids, turn_marker_ids, *, sample_id: Hashable | None = None) -> np.ndarray:
-    """Pairs of (user marker, assistant marker) positions; see ``mmpack.masks.turn_spans``."""
+    """Pairs of (user marker, assistant marker) positions; see ``mmpack.batch.masks.turn_spans``."""
     tokens = torch.as_tensor(token_ids)
     markers = torch.as_tensor(list(turn_marker_ids), dtype=tokens.dtype)
     positions = torch.isin(tokens, markers).nonzero().flatten().tolist()

@@ -1,9 +1,7 @@
-"""Compatibility with the frameworks mmpack replaces parts of.
+"""Integrations with the frameworks mmpack replaces parts of.
 
-``mmpack.compat.nemo_rl``: swap mmpack's ``PackedTensor`` into NeMo-RL (``install``), and read
-NeMo-RL's pickles with a restricted unpickler (``loads`` / ``load``, implemented in
-``mmpack.compat.safe_unpickle``).
+``mmpack.compat.nemo_rl``: swap mmpack's ``PackedTensor`` into NeMo-RL (``install``), NeMo-RL's
+packer API (``mmpack.compat.nemo_rl.packing``) and the opt-in accelerations of its data path
+(``install(accelerate=True)``). Reading NeMo-RL's pickles without trusting them is the restricted
+loader's job, ``mmpack.safe_load`` (re-exported as ``mmpack.compat.nemo_rl.loads`` / ``load``).
 """
-
-#: The NeMo-RL module that defines ``PackedTensor``.
-NEMO_RL_MODULE = "nemo_rl.data.multimodal_utils"

@@ -5,7 +5,7 @@ Modules: `task_encoder` (`PackingTaskEncoder`, the Energon hooks), `conversation
 chat markup), `policy` (skips, consecutive-skip guard, finite failure tolerance), `config`,
 `cookers`, `media`, `samples`, `stats`, `loader`, `validation`, `synthetic` (a dataset writer)
 and `testing` (helpers for tests). Batches are built by `mmpack.batch` (packs) and
-`mmpack.padded_batch` (the no-packing rows).
+`mmpack.batch.padded` (the no-packing rows).
 
 Needs the extra ``mmpack[energon]`` (``megatron-energon`` and ``torch``).
 

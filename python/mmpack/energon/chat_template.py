@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from mmpack import masks
+from mmpack.batch import masks
 from mmpack.energon.conversation import MEDIA_TOKENS
 from mmpack.energon.media import MediaHandle, MediaSettings
 from mmpack.energon.samples import Conversation, EncodedConversation

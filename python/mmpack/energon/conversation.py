@@ -5,7 +5,7 @@ Layout per message: ``<|role|>`` + parts + ``<|end|>``; a media part expands to 
 copies of its media token (``<image>``, ``<audio>``). Media stays lazy here: only its token count
 is read. In ``"precomputed"`` mode a text fragment is trainable per its own flag (or per role when
 it has none), media is not, and the role and end markers follow the message (trainable if any of
-its fragments is); the mask itself is built by `mmpack.masks.from_fragments`.
+its fragments is); the mask itself is built by `mmpack.batch.masks.from_fragments`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from mmpack import masks
+from mmpack.batch import masks
 from mmpack.energon.media import MediaHandle, MediaSettings
 from mmpack.energon.samples import Conversation, EncodedConversation
 from mmpack.errors import EnergonConfigError, SampleFormatError
@@ -129,7 +129,7 @@ def encode_conversation(
             frag_lengths, frag_trainable, num_tokens=len(tokens), sample_id=conversation.__key__
         )
         # int8 0/1 (a view of the bool mask): a subclass that edits the mask gets a value
-        # check from `mmpack.masks.validate`, where a bool array would silently turn 2 into 1
+        # check from `mmpack.batch.masks.validate`, where a bool array would silently turn 2 into 1
         loss_mask = mask.view(np.int8)
     else:
         mixed = [

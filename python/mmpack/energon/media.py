@@ -343,7 +343,7 @@ class MediaHandle:
             return torch.from_numpy(_image_patches(data, patch, self))
         if self.kind == "audio":
             rate = _require(settings.audio_sampling_rate, "audio_sampling_rate")
-            return torch.from_numpy(_waveform(data, rate, self))
+            return torch.from_numpy(decode_waveform(data, rate, self))
         raise SampleFormatError(f"sample {self.sample_key!r}: unknown media kind {self.kind!r}")
 
 
@@ -452,7 +452,7 @@ def _image_patches(data: bytes, patch: int, handle: MediaHandle) -> np.ndarray:
     return grid.reshape(gh * gw, patch * patch * 3).astype(np.float32) / np.float32(255.0)
 
 
-def _waveform(data: bytes, rate: int, handle: MediaHandle) -> np.ndarray:
+def decode_waveform(data: bytes, rate: int, handle: MediaHandle) -> np.ndarray:
     """Mono float32 waveform at `rate` Hz, of exactly ``ceil(frames * rate / native)``
     samples (what the header-based token count assumes)."""
     import librosa

@@ -30,7 +30,7 @@ from megatron.energon import SkipSample, stateless
 from megatron.energon.errors import FatalSampleError
 from megatron.energon.task_encoder.base import get_failure_tolerance, get_stateless
 
-from mmpack import masks
+from mmpack.batch import masks
 from mmpack.energon.config import KNOWN_MODALITIES, PackingEncoderConfig
 from mmpack.energon.samples import Conversation, EncodedConversation
 from mmpack.energon.stats import LoaderStats

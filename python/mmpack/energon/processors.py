@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from mmpack.energon.chat_template import TemplateMedia
-from mmpack.energon.media import MEDIA_LOG, MediaHandle, _waveform
+from mmpack.energon.media import MEDIA_LOG, MediaHandle, decode_waveform
 from mmpack.errors import (
     MediaTokenCountError,
     ModalityConfigError,
@@ -321,7 +321,7 @@ class ModelProcessor:
             ) from err
         if handle.kind == "audio":
             rate = int(self.component("audio").sampling_rate)
-            return _waveform(data, rate, handle)
+            return decode_waveform(data, rate, handle)
         raise SampleFormatError(f"sample {handle.sample_key!r}: unknown media kind {handle.kind!r}")
 
     def process(self, handle: MediaHandle) -> ProcessedMedia:

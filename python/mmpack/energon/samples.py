@@ -2,7 +2,7 @@
 
 `Conversation` (cooked, media lazy) -> `EncodedConversation` (tokens, mask inputs, media handles;
 after `postencode_sample` also the decoded media) -> `SftPack` (one `mmpack.batch.PackedBatch`) ->
-`SftBatch` (``batch_size`` packs, or one `mmpack.padded_batch.PaddedBatch` when packing is off).
+`SftBatch` (``batch_size`` packs, or one `mmpack.batch.padded.PaddedBatch` when packing is off).
 The batch fields (``labels``, ``loss_mask``, ``token_mask``, ...) are those of the table in the
 `mmpack.batch` docstring.
 """
@@ -84,7 +84,7 @@ class SftBatch(Batch):
     num_tokens: int
     token_slots: int
     packs: list[Any] | None = None
-    padded: Any = None  # mmpack.padded_batch.PaddedBatch
+    padded: Any = None  # mmpack.batch.padded.PaddedBatch
 
     def micro_batch(
         self, *, pad_to_length: int | None = None, pad_to_multiple_of: int = 1, cp_size: int = 1

@@ -31,6 +31,7 @@ from megatron.energon import DefaultTaskEncoder, SkipSample, stateless
 
 from mmpack import PackedTensor
 from mmpack.batch import EncodedSample, PackedBatch, pack_samples
+from mmpack.batch.padded import PaddedBatch, pad_samples
 from mmpack.energon import conversation as markup
 from mmpack.energon.chat_template import TemplateMedia, encode_with_chat_template, markup_media
 from mmpack.energon.config import PackingEncoderConfig
@@ -59,7 +60,6 @@ from mmpack.errors import (
     UndeclaredModalityError,
 )
 from mmpack.packing import pack
-from mmpack.padded_batch import PaddedBatch, pad_samples
 
 __all__ = ["PackingTaskEncoder"]
 
@@ -284,7 +284,7 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
 
     def pack_options(self) -> dict[str, Any]:
         """The keyword options of `mmpack.batch.pack_samples` (and of
-        `mmpack.padded_batch.pad_samples`) taken from the config."""
+        `mmpack.batch.padded.pad_samples`) taken from the config."""
         cfg = self.config
         return {
             "loss_mask_mode": cfg.loss_mask_mode,
@@ -301,7 +301,7 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
 
     def build_padded(self, samples: Sequence[EncodedConversation]) -> PaddedBatch:
         """Rows padded to the longest sample, rounded up to the padding multiple (the
-        no-packing path; `mmpack.padded_batch.pad_samples`)."""
+        no-packing path; `mmpack.batch.padded.pad_samples`)."""
         return pad_samples([self.to_encoded_sample(s) for s in samples], **self.pack_options())
 
     # ------------------------------------------------------------------ Energon hooks

@@ -1,0 +1,125 @@
+"""Plumbing shared by the batch classes (``mmpack.batch.PackedBatch``,
+``mmpack.batch.padded.PaddedBatch``) and their builders: field type checks, host views for the
+native checks, in-place device moves of frozen batches, and joining media per key."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from mmpack._coerce import I64_MIN, bools_as_bytes, option_int, tensor_numpy
+from mmpack.errors import BatchLayoutError, BatchMediaError
+
+__all__ = [
+    "check_scalars",
+    "check_tensor_fields",
+    "host_array",
+    "merge_keyed_media",
+    "move_fields",
+]
+
+
+def check_tensor_fields(batch: Any, dtypes: dict[str, torch.dtype], *, ndim: int) -> None:
+    """Every tensor field of ``batch`` is a torch tensor of its dtype and rank, all on one
+    device; else ``TypeError`` naming the field (shared by ``PackedBatch`` and
+    ``PaddedBatch``)."""
+    cls = type(batch).__name__
+    device = None
+    for name, dtype in dtypes.items():
+        t = getattr(batch, name)
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{cls}.{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != dtype or t.ndim != ndim:
+            raise TypeError(
+                f"{cls}.{name} must be a {ndim}-D {dtype} tensor, got a {t.ndim}-D {t.dtype} one"
+            )
+        if device is None:
+            device = t.device
+        elif t.device != device:
+            raise TypeError(f"{cls}.{name} is on {t.device}, the other fields on {device}")
+
+
+def check_scalars(batch: Any) -> None:
+    """``pad_token_id`` and ``ignore_index`` are int64 ints, ``max_seqlen`` (where there is
+    one) a non-negative one, ``sample_ids`` a list; the ints are stored as plain ``int``."""
+    cls = type(batch).__name__
+    minimums = {"pad_token_id": I64_MIN, "ignore_index": I64_MIN}
+    if hasattr(batch, "max_seqlen"):
+        minimums["max_seqlen"] = 0
+    for name, minimum in minimums.items():
+        value = option_int(
+            getattr(batch, name), f"{cls}.{name}", error=BatchLayoutError, minimum=minimum
+        )
+        object.__setattr__(batch, name, value)
+    if not isinstance(batch.sample_ids, list):
+        raise TypeError(f"{cls}.sample_ids must be a list, got {type(batch.sample_ids).__name__}")
+
+
+def host_array(t: torch.Tensor, name: str) -> np.ndarray:
+    """A tensor field as a contiguous host numpy array (bool as bytes) for the native checks."""
+    arr = np.ascontiguousarray(tensor_numpy(t, name))
+    return bools_as_bytes(arr)
+
+
+def move_fields(
+    batch: Any, names: Sequence[str], device: torch.device | str, non_blocking: bool
+) -> None:
+    """``batch.to(device)`` of a frozen batch: its tensor fields and media, in place."""
+    from mmpack.packed import transfer as _transfer
+    from mmpack.packed.value import PackedTensor as Packed
+
+    moved = _transfer.move_segments(
+        [getattr(batch, name) for name in names], device, non_blocking=non_blocking
+    )
+    for name, tensor in zip(names, moved, strict=True):
+        object.__setattr__(batch, name, tensor)
+    for value in batch.media.values():
+        if isinstance(value, Packed):  # unique segments cross once (mmpack.packed.transfer)
+            value.to(device, non_blocking=non_blocking)
+        else:
+            value.to(device)
+
+
+def merge_keyed_media(
+    owners: Sequence[Any],
+    media: Sequence[dict[str, Any] | None],
+    how: str,
+    *,
+    what: tuple[str, str] = ("sample", "samples"),
+    name: Callable[[Any], str] = str,
+) -> dict[str, Any]:
+    """Per key, the values of ``media`` (one mapping per owner, ``None`` for none) joined with
+    the ``how`` class method (``merge_segments`` or ``concat``) of their ``PackedTensor``
+    class, in order. ``TypeError`` when a value is not a ``PackedTensor`` (or values of one
+    key mix classes); ``BatchMediaError`` naming the key and owners when the join fails.
+    Messages call one owner ``what[0]``, several ``what[1]``, each by ``name(owner)`` (only
+    formatted for an error)."""
+    per_key: dict[str, list[Any]] = {}
+    holders: dict[str, list[Any]] = {}
+    for owner, mapping in zip(owners, media, strict=True):
+        if not mapping:
+            continue
+        for key, value in mapping.items():
+            per_key.setdefault(key, []).append(value)
+            holders.setdefault(key, []).append(owner)
+    merged: dict[str, Any] = {}
+    for key, values in per_key.items():
+        cls = type(values[0])
+        for value, owner in zip(values, holders[key], strict=True):
+            if type(value) is not cls or not hasattr(cls, how):
+                raise TypeError(
+                    f"media key {key!r} of {what[0]} {name(owner)} is a "
+                    f"{type(value).__name__}; every media value of a key must be a "
+                    f"PackedTensor of one class ({cls.__name__} first)"
+                )
+        try:
+            merged[key] = getattr(cls, how)(values)
+        except Exception as exc:
+            names = ", ".join(name(o) for o in holders[key])
+            raise BatchMediaError(
+                f"cannot merge media key {key!r} across {what[1]} [{names}]: {exc}"
+            ) from exc
+    return merged

@@ -1,0 +1,143 @@
+"""``install()`` / ``uninstall()``: make NeMo-RL's ``PackedTensor`` be mmpack's, in a running
+process (see ``mmpack.compat.nemo_rl`` for what each mode does)."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import types
+from typing import Any
+
+from mmpack.safe_load.loader import NEMO_RL_MODULE
+
+__all__ = [
+    "NEMO_RL_CLASS_PATH",
+    "accelerated",
+    "install",
+    "installed",
+    "uninstall",
+]
+
+NEMO_RL_CLASS_PATH = f"{NEMO_RL_MODULE}.PackedTensor"
+
+
+class _InstallState:
+    mode: str | None = None
+    accelerated: bool = False
+    # (module or class, attribute name, previous value)
+    patched: list[tuple[types.ModuleType | type, str, Any]] = []  # noqa: RUF012
+    shim_modules: list[str] = []  # noqa: RUF012
+
+
+def installed() -> str | None:
+    """``"patched"`` or ``"shim"`` while ``install()`` is in effect, else ``None``."""
+    return _InstallState.mode
+
+
+def accelerated() -> bool:
+    """Whether ``install(accelerate=True)`` replaced NeMo-RL's ``BatchedDataDict`` methods."""
+    return _InstallState.accelerated
+
+
+def install(*, accelerate: bool = False) -> str:
+    """Make NeMo-RL use ``mmpack.PackedTensor``; return ``"patched"`` or ``"shim"``.
+
+    ``accelerate=True`` also sets mmpack's versions of NeMo-RL's hot ``BatchedDataDict`` methods
+    (``mmpack.compat.nemo_rl.batched``); it needs NeMo-RL's ``batched_data_dict`` module to
+    import, and raises ``ImportError`` naming it otherwise.
+
+    Idempotent: a second call returns the mode of the first without doing anything, except that
+    ``accelerate=True`` adds the methods if the first call did not.
+    """
+    # Import NeMo-RL's module before changing anything, so that a failure changes nothing.
+    batched = _batched_data_dict_module() if accelerate and not _InstallState.accelerated else None
+    if _InstallState.mode is None:
+        _install_class()
+    if batched is not None:
+        from mmpack.compat.nemo_rl.batched import accelerated_methods
+
+        for name, method in accelerated_methods().items():
+            _set(batched.BatchedDataDict, name, method)
+        _InstallState.accelerated = True
+    assert _InstallState.mode is not None
+    return _InstallState.mode
+
+
+def _batched_data_dict_module() -> types.ModuleType:
+    from mmpack.compat.nemo_rl.batched import BATCHED_DATA_DICT_MODULE
+
+    if _InstallState.mode == "shim":
+        raise ImportError(
+            f"install(accelerate=True) needs NeMo-RL, and {NEMO_RL_MODULE} is mmpack's shim"
+        )
+    try:
+        return importlib.import_module(BATCHED_DATA_DICT_MODULE)
+    except ImportError as exc:
+        raise ImportError(
+            f"install(accelerate=True) needs NeMo-RL's {BATCHED_DATA_DICT_MODULE}, which did "
+            f"not import: {exc}"
+        ) from exc
+
+
+def _install_class() -> None:
+    from mmpack.packed.value import PackedTensor as ours
+
+    try:
+        module = importlib.import_module(NEMO_RL_MODULE)
+    except ImportError:
+        module = None
+    if module is not None:
+        original = getattr(module, "PackedTensor", None)
+        _set(module, "PackedTensor", ours)
+        if original is not None and original is not ours:
+            for other in list(sys.modules.values()):
+                if not isinstance(other, types.ModuleType) or other is module:
+                    continue
+                namespace = getattr(other, "__dict__", None)
+                if not isinstance(namespace, dict):
+                    continue
+                for name, value in list(namespace.items()):
+                    if value is original:
+                        _set(other, name, ours)
+        _InstallState.mode = "patched"
+        return
+
+    parts = NEMO_RL_MODULE.split(".")
+    for depth in range(1, len(parts) + 1):
+        name = ".".join(parts[:depth])
+        if name in sys.modules:
+            continue
+        shim = types.ModuleType(name, "mmpack shim standing in for NeMo-RL (mmpack.compat.nemo_rl)")
+        if depth < len(parts):
+            shim.__path__ = []
+        sys.modules[name] = shim
+        _InstallState.shim_modules.append(name)
+        if depth > 1:
+            _set(sys.modules[".".join(parts[: depth - 1])], parts[depth - 1], shim)
+    _set(sys.modules[NEMO_RL_MODULE], "PackedTensor", ours)
+    _InstallState.mode = "shim"
+
+
+_MISSING = object()
+
+
+def _set(owner: types.ModuleType | type, name: str, value: Any) -> None:
+    """Set ``owner.name`` (a module's or a class's own attribute), remembering what it was."""
+    _InstallState.patched.append((owner, name, owner.__dict__.get(name, _MISSING)))
+    setattr(owner, name, value)
+
+
+def uninstall() -> None:
+    """Undo ``install()``: restore every patched attribute and drop the shim modules."""
+    for owner, name, previous in reversed(_InstallState.patched):
+        if previous is _MISSING:
+            if name in owner.__dict__:
+                delattr(owner, name)
+        else:
+            setattr(owner, name, previous)
+    for name in reversed(_InstallState.shim_modules):
+        sys.modules.pop(name, None)
+    _InstallState.patched = []
+    _InstallState.shim_modules = []
+    _InstallState.mode = None
+    _InstallState.accelerated = False

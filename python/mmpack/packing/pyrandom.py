@@ -1,0 +1,25 @@
+"""Python's ``random`` module emulated in Rust, where packing must shuffle exactly as NeMo-RL does
+(``random.Random(seed).shuffle`` or the global ``random.shuffle``)."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+import numpy as np
+
+from mmpack import _native
+from mmpack.packing.result import IntArray
+
+__all__ = ["shuffle_order"]
+
+
+def shuffle_order(n: int, rng: random.Random | None) -> IntArray:
+    """``random.shuffle(list(range(n)))`` done in Rust from ``rng``'s state (the global
+    ``random`` module when ``rng`` is None), advancing that state exactly as Python would."""
+    source: Any = random if rng is None else rng
+    version, words, gauss = source.getstate()
+    state = np.array(words[:624], dtype=np.uint32)
+    shuffled = _native.shuffle_permutation(state, int(words[624]), n)
+    source.setstate((version, (*shuffled.state.tolist(), shuffled.pos), gauss))
+    return shuffled.permutation

@@ -1,0 +1,1 @@
+"""Helpers shared by test folders (not an oracle: the oracles are in ``reference``)."""
