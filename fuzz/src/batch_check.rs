@@ -68,7 +68,7 @@ fn gen_sample(b: &mut Bytes<'_>, k: usize) -> Sample {
 }
 
 /// The layout, or `None` when the samples or options must be refused.
-fn model(samples: &[Sample], opts: &BatchOptions<'_>, u8_masks: &[Vec<u8>]) -> Option<ThdLayout> {
+fn model(samples: &[Sample], opts: &BatchOptions, u8_masks: &[Vec<u8>]) -> Option<ThdLayout> {
     if samples.is_empty()
         || opts.pad_to_multiple_of < 1
         || opts.cp_size < 1
@@ -215,7 +215,7 @@ pub fn check(data: &[u8]) {
         } else {
             MaskMode::Precomputed
         },
-        train_roles: &train_roles,
+        train_roles,
         pad_token_id: b.wild(-3, 3),
         pad_to_multiple_of: if big_pad {
             b.wild(1 << 12, 1 << 12)

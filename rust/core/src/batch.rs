@@ -46,10 +46,13 @@ pub struct SampleRef<'a> {
     pub message_roles: Option<&'a [String]>,
 }
 
-#[derive(Debug, Clone)]
-pub struct BatchOptions<'a> {
+/// How a batch is built: the mask mode, the trained roles, the padding and the label fill.
+/// One value serves every builder (`build`, `build_padded`, `concat`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct BatchOptions {
     pub mode: MaskMode,
-    pub train_roles: &'a [String],
+    /// Roles whose messages are trained on (read in derived mode).
+    pub train_roles: Vec<String>,
     pub pad_token_id: i64,
     pub pad_to_multiple_of: i64,
     pub ignore_index: i64,
@@ -57,6 +60,33 @@ pub struct BatchOptions<'a> {
     /// THD: the total length of the pack; padded: the width of every row. `None`: as short as
     /// the samples and the padding multiple allow.
     pub pad_to_length: Option<i64>,
+}
+
+impl Default for BatchOptions {
+    fn default() -> Self {
+        Self {
+            mode: MaskMode::Derived,
+            train_roles: vec!["assistant".to_owned()],
+            pad_token_id: 0,
+            pad_to_multiple_of: 1,
+            ignore_index: -100,
+            cp_size: 1,
+            pad_to_length: None,
+        }
+    }
+}
+
+impl BatchOptions {
+    /// Check the options on their own, before any sample is seen: the checks every builder
+    /// makes first, so a bad value is reported where the options are made.
+    ///
+    /// # Errors
+    /// `BatchOption` naming the option (a negative `pad_token_id`, `pad_to_multiple_of` or
+    /// `cp_size` below 1, a `pad_to_length` below 1 or not a multiple of the padding
+    /// multiple); `IndexOverflow` for a padding multiple past `usize`.
+    pub fn validate(&self) -> CoreResult<()> {
+        check_options(self).map(|_| ())
+    }
 }
 
 /// The flat arrays of one pack (or micro-batch) in Megatron's THD layout (see the module docs).
@@ -136,7 +166,7 @@ struct Layout {
     pad_to_length: Option<usize>,
 }
 
-fn check_options(opts: &BatchOptions<'_>) -> CoreResult<Layout> {
+fn check_options(opts: &BatchOptions) -> CoreResult<Layout> {
     if opts.pad_token_id < 0 {
         return Err(option_error(
             "pad_token_id",
@@ -159,7 +189,7 @@ fn check_options(opts: &BatchOptions<'_>) -> CoreResult<Layout> {
 
 /// `pad_to_length` as a length: positive and a multiple of the padding multiple (the last
 /// sample absorbs the difference, and its padded length must stay such a multiple).
-fn target_length(length: i64, multiple: usize, opts: &BatchOptions<'_>) -> CoreResult<usize> {
+fn target_length(length: i64, multiple: usize, opts: &BatchOptions) -> CoreResult<usize> {
     let l = usize::try_from(length)
         .ok()
         .filter(|&l| l >= 1)
@@ -203,7 +233,7 @@ fn as_i64(v: usize, what: &'static str) -> CoreResult<i64> {
 /// empty, no negative id). Returns the sample's largest token id.
 fn sample_mask(
     s: &SampleRef<'_>,
-    opts: &BatchOptions<'_>,
+    opts: &BatchOptions,
     trainable: &mut Vec<bool>,
     out: &mut Vec<bool>,
 ) -> CoreResult<i64> {
@@ -390,7 +420,7 @@ fn offsets(values: impl Iterator<Item = usize>) -> CoreResult<Vec<i32>> {
 /// `MaskValue`, `SpanMismatch`), `BatchOption` (options out of range, a pack longer than
 /// `pad_to_length`, an `ignore_index` that is a token id), `IndexOverflow` (a pack past
 /// `i32::MAX` positions).
-pub fn build(samples: &[SampleRef<'_>], opts: &BatchOptions<'_>) -> CoreResult<ThdLayout> {
+pub fn build(samples: &[SampleRef<'_>], opts: &BatchOptions) -> CoreResult<ThdLayout> {
     if samples.is_empty() {
         return Err(CoreError::EmptyBatch);
     }
@@ -446,10 +476,7 @@ pub fn build(samples: &[SampleRef<'_>], opts: &BatchOptions<'_>) -> CoreResult<T
 /// # Errors
 /// As [`build`]; `BatchOption` when the longest sample does not fit `pad_to_length`;
 /// `IndexOverflow` when `rows * width` does not fit in memory's index range.
-pub fn build_padded(
-    samples: &[SampleRef<'_>],
-    opts: &BatchOptions<'_>,
-) -> CoreResult<PaddedLayout> {
+pub fn build_padded(samples: &[SampleRef<'_>], opts: &BatchOptions) -> CoreResult<PaddedLayout> {
     if samples.is_empty() {
         return Err(CoreError::EmptyBatch);
     }
@@ -516,31 +543,21 @@ pub fn build_padded(
     })
 }
 
-/// How packs join into one micro-batch.
-#[derive(Debug, Clone, Copy)]
-pub struct ConcatOptions {
-    pub pad_token_id: i64,
-    pub ignore_index: i64,
-    /// Every sample of every pack must be padded to a multiple of this (the packs' own
-    /// `pad_to_multiple_of` / `cp_size` multiple).
-    pub multiple: usize,
-    /// The total length of the micro-batch; the last sample absorbs the difference.
-    pub pad_to_length: Option<usize>,
-}
-
 /// Several packs (each checked with [`check_thd`]) as one THD micro-batch: their samples in
-/// order, offsets shifted, the last sample padded up to `pad_to_length`.
+/// order, offsets shifted, the last sample padded up to `pad_to_length`. Of `opts`, the packs
+/// must hold `pad_token_id` and `ignore_index` and be padded to the multiple of
+/// `pad_to_multiple_of` and `cp_size`; the mask mode and roles are not read.
 ///
 /// # Errors
 /// `EmptyBatch` for no packs; `BatchLayout` naming the pack whose fields disagree or whose
-/// samples are not padded to `multiple`; `BatchOption` for a `pad_to_length` that is not a
-/// multiple of `multiple` or shorter than the packs; `IndexOverflow` past `i32::MAX`
-/// positions.
-pub fn concat(parts: &[ThdView<'_>], opts: &ConcatOptions) -> CoreResult<ThdLayout> {
+/// samples are not padded to the multiple; `BatchOption` for options out of range or a
+/// `pad_to_length` shorter than the packs; `IndexOverflow` past `i32::MAX` positions.
+pub fn concat(parts: &[ThdView<'_>], opts: &BatchOptions) -> CoreResult<ThdLayout> {
     if parts.is_empty() {
         return Err(CoreError::EmptyBatch);
     }
-    let multiple = opts.multiple.max(1);
+    let layout = check_options(opts)?;
+    let multiple = layout.multiple;
     let mut total: usize = 0;
     for (k, part) in parts.iter().enumerate() {
         check_thd(part, opts.pad_token_id, opts.ignore_index).map_err(|e| in_pack(k, e))?;
@@ -566,13 +583,7 @@ pub fn concat(parts: &[ThdView<'_>], opts: &ConcatOptions) -> CoreResult<ThdLayo
             })?;
     }
     let mut extra = 0;
-    if let Some(target) = opts.pad_to_length {
-        if target % multiple != 0 {
-            return Err(option_error(
-                "pad_to_length",
-                format!("{target} is not a multiple of the padding multiple {multiple}"),
-            ));
-        }
+    if let Some(target) = layout.pad_to_length {
         if total > target {
             return Err(option_error(
                 "pad_to_length",

@@ -1,18 +1,105 @@
 //! Bindings for `mmpack_core::batch`: one call builds a whole pack, micro-batch or set of
-//! padded rows; one call checks a layout built elsewhere.
-use mmpack_core::batch::{
-    self, BatchOptions, ConcatOptions, MaskMode, PaddedView, SampleRef, ThdView,
+//! padded rows from the samples and one `BatchOptions`; one call checks a layout built
+//! elsewhere.
+use mmpack_core::batch::{self, MaskMode, PaddedView, SampleRef, ThdView};
+use numpy::{
+    IntoPyArray, PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2,
+    PyUntypedArrayMethods,
 };
-use mmpack_core::CoreError;
-use numpy::{IntoPyArray, PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1};
 use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::PyBool;
+use pyo3::{intern, PyTypeInfo};
 
 use crate::errors::PyCoreError;
 use crate::mask::MaskArr;
 
-/// One pack in Megatron's THD layout (`mmpack_core::batch::ThdLayout`), as numpy arrays.
+/// Batch options (mmpack_core::batch::BatchOptions), checked when made: every build_pack,
+/// build_padded and concat_packs call reads one.
+#[pyclass(frozen, module = "mmpack._native", name = "BatchOptions")]
+pub struct Options {
+    inner: batch::BatchOptions,
+}
+
+#[pymethods]
+impl Options {
+    #[new]
+    #[pyo3(signature = (
+        *, precomputed, train_roles, pad_token_id, pad_to_multiple_of, ignore_index, cp_size,
+        pad_to_length
+    ))]
+    fn py_new(
+        precomputed: bool,
+        train_roles: Vec<String>,
+        pad_token_id: i64,
+        pad_to_multiple_of: i64,
+        ignore_index: i64,
+        cp_size: i64,
+        pad_to_length: Option<i64>,
+    ) -> PyResult<Self> {
+        let inner = batch::BatchOptions {
+            mode: if precomputed {
+                MaskMode::Precomputed
+            } else {
+                MaskMode::Derived
+            },
+            train_roles,
+            pad_token_id,
+            pad_to_multiple_of,
+            ignore_index,
+            cp_size,
+            pad_to_length,
+        };
+        inner.validate().map_err(PyCoreError)?;
+        Ok(Self { inner })
+    }
+
+    /// Whether each sample's own loss mask is used (else it is derived from roles).
+    #[getter]
+    fn precomputed(&self) -> bool {
+        self.inner.mode == MaskMode::Precomputed
+    }
+
+    /// Roles whose messages are trained on.
+    #[getter]
+    fn train_roles(&self) -> Vec<String> {
+        self.inner.train_roles.clone()
+    }
+
+    /// The token id of the padding.
+    #[getter]
+    fn pad_token_id(&self) -> i64 {
+        self.inner.pad_token_id
+    }
+
+    /// Every sample is padded to a multiple of this.
+    #[getter]
+    fn pad_to_multiple_of(&self) -> i64 {
+        self.inner.pad_to_multiple_of
+    }
+
+    /// The label of every position that is not trained on.
+    #[getter]
+    fn ignore_index(&self) -> i64 {
+        self.inner.ignore_index
+    }
+
+    /// Context-parallel ranks: samples are also padded to a multiple of 2 * cp_size.
+    #[getter]
+    fn cp_size(&self) -> i64 {
+        self.inner.cp_size
+    }
+
+    /// The total length of a pack, or the width of every padded row; None: as short as the
+    /// samples allow.
+    #[getter]
+    fn pad_to_length(&self) -> Option<i64> {
+        self.inner.pad_to_length
+    }
+}
+
+/// One pack in Megatron's THD layout (mmpack_core::batch::ThdLayout), as numpy arrays: built
+/// by build_pack and concat_packs, or made from a batch's fields for check_pack.
 #[pyclass(frozen, module = "mmpack._native", get_all)]
 pub struct ThdLayout {
     input_ids: Py<PyArray1<i64>>,
@@ -23,6 +110,37 @@ pub struct ThdLayout {
     cu_seqlens: Py<PyArray1<i32>>,
     cu_seqlens_padded: Py<PyArray1<i32>>,
     max_seqlen: usize,
+}
+
+#[pymethods]
+impl ThdLayout {
+    #[new]
+    #[pyo3(signature = (
+        *, input_ids, labels, loss_mask, token_mask, position_ids, cu_seqlens,
+        cu_seqlens_padded, max_seqlen
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn py_new(
+        input_ids: Py<PyArray1<i64>>,
+        labels: Py<PyArray1<i64>>,
+        loss_mask: Py<PyArray1<bool>>,
+        token_mask: Py<PyArray1<bool>>,
+        position_ids: Py<PyArray1<i64>>,
+        cu_seqlens: Py<PyArray1<i32>>,
+        cu_seqlens_padded: Py<PyArray1<i32>>,
+        max_seqlen: usize,
+    ) -> Self {
+        Self {
+            input_ids,
+            labels,
+            loss_mask,
+            token_mask,
+            position_ids,
+            cu_seqlens,
+            cu_seqlens_padded,
+            max_seqlen,
+        }
+    }
 }
 
 impl ThdLayout {
@@ -40,7 +158,8 @@ impl ThdLayout {
     }
 }
 
-/// Padded rows `[rows, width]` (`mmpack_core::batch::PaddedLayout`), as numpy arrays.
+/// Padded rows [rows, width] (mmpack_core::batch::PaddedLayout), as numpy arrays: built by
+/// build_padded, or made from a batch's fields for check_padded.
 #[pyclass(frozen, module = "mmpack._native", get_all)]
 pub struct PaddedLayout {
     input_ids: Py<PyArray2<i64>>,
@@ -50,6 +169,33 @@ pub struct PaddedLayout {
     position_ids: Py<PyArray2<i64>>,
     attention_mask: Py<PyArray2<bool>>,
     lengths: Py<PyArray1<i64>>,
+}
+
+#[pymethods]
+impl PaddedLayout {
+    #[new]
+    #[pyo3(signature = (
+        *, input_ids, labels, loss_mask, token_mask, position_ids, attention_mask, lengths
+    ))]
+    fn py_new(
+        input_ids: Py<PyArray2<i64>>,
+        labels: Py<PyArray2<i64>>,
+        loss_mask: Py<PyArray2<bool>>,
+        token_mask: Py<PyArray2<bool>>,
+        position_ids: Py<PyArray2<i64>>,
+        attention_mask: Py<PyArray2<bool>>,
+        lengths: Py<PyArray1<i64>>,
+    ) -> Self {
+        Self {
+            input_ids,
+            labels,
+            loss_mask,
+            token_mask,
+            position_ids,
+            attention_mask,
+            lengths,
+        }
+    }
 }
 
 /// `v` (row-major, `rows * width` values) as a `[rows, width]` array, without a copy.
@@ -62,8 +208,20 @@ fn rows_of<'py, T: numpy::Element>(
     Ok(v.into_pyarray(py).reshape([rows, width])?.unbind())
 }
 
-/// The per-sample inputs of a build call, borrowed from Python while attached; `refs` views
-/// them as core samples (valid while detached).
+/// One sample as the build calls take it: `(name, tokens, mask, message_lengths,
+/// message_roles)`; `name` names it in errors.
+#[derive(FromPyObject)]
+struct SampleArgs<'py>(
+    String,
+    Bound<'py, PyArray1<i64>>,
+    Option<Bound<'py, PyAny>>,
+    Option<Bound<'py, PyAny>>,
+    Option<Vec<String>>,
+);
+
+/// The samples of a build call, borrowed from Python while attached; `refs` views them as
+/// core samples (valid while detached). A sample's mask is read in precomputed mode, its
+/// messages otherwise.
 struct Samples<'py> {
     names: Vec<String>,
     tokens: Vec<PyReadonlyArray1<'py, i64>>,
@@ -89,42 +247,25 @@ fn lengths_of(obj: &Bound<'_, PyAny>, sample: &str) -> PyResult<Vec<i64>> {
 }
 
 impl<'py> Samples<'py> {
-    fn new(
-        names: Vec<String>,
-        tokens: &[Bound<'py, PyArray1<i64>>],
-        masks: &[Option<Bound<'py, PyAny>>],
-        message_lengths: &[Option<Bound<'py, PyAny>>],
-        message_roles: Vec<Option<Vec<String>>>,
-    ) -> PyResult<Self> {
-        let n = names.len();
-        if tokens.len() != n
-            || masks.len() != n
-            || message_lengths.len() != n
-            || message_roles.len() != n
-        {
-            return Err(PyCoreError(CoreError::BatchOption {
-                name: "samples",
-                detail: "the per-sample lists differ in length".to_owned(),
-            })
-            .into());
+    fn new(samples: Vec<SampleArgs<'py>>) -> PyResult<Self> {
+        let n = samples.len();
+        let mut out = Self {
+            names: Vec::with_capacity(n),
+            tokens: Vec::with_capacity(n),
+            masks: Vec::with_capacity(n),
+            message_lengths: Vec::with_capacity(n),
+            message_roles: Vec::with_capacity(n),
+        };
+        for SampleArgs(name, tokens, mask, lengths, roles) in samples {
+            out.tokens.push(tokens.try_readonly()?);
+            out.masks
+                .push(mask.as_ref().map(MaskArr::borrow).transpose()?);
+            out.message_lengths
+                .push(lengths.as_ref().map(|l| lengths_of(l, &name)).transpose()?);
+            out.message_roles.push(roles);
+            out.names.push(name);
         }
-        Ok(Self {
-            tokens: tokens
-                .iter()
-                .map(|t| t.try_readonly())
-                .collect::<Result<_, _>>()?,
-            masks: masks
-                .iter()
-                .map(|m| m.as_ref().map(MaskArr::borrow).transpose())
-                .collect::<PyResult<_>>()?,
-            message_lengths: message_lengths
-                .iter()
-                .zip(&names)
-                .map(|(l, name)| l.as_ref().map(|l| lengths_of(l, name)).transpose())
-                .collect::<PyResult<_>>()?,
-            names,
-            message_roles,
-        })
+        Ok(out)
     }
 
     fn refs(&self) -> PyResult<Vec<SampleRef<'_>>> {
@@ -148,85 +289,34 @@ impl<'py> Samples<'py> {
     }
 }
 
-/// Build one pack. The per-sample lists are parallel (`names[i]` names sample `i` in errors);
-/// in precomputed mode `masks` is read, otherwise `message_lengths` and `message_roles`.
+/// Build one pack from samples, each (name, tokens, mask, message_lengths, message_roles).
 #[pyfunction]
-#[pyo3(signature = (
-    names, tokens, masks, message_lengths, message_roles, *,
-    precomputed, train_roles, pad_token_id, pad_to_multiple_of, ignore_index, cp_size,
-    pad_to_length
-))]
-#[allow(clippy::too_many_arguments)]
 fn build_pack<'py>(
     py: Python<'py>,
-    names: Vec<String>,
-    tokens: Vec<Bound<'py, PyArray1<i64>>>,
-    masks: Vec<Option<Bound<'py, PyAny>>>,
-    message_lengths: Vec<Option<Bound<'py, PyAny>>>,
-    message_roles: Vec<Option<Vec<String>>>,
-    precomputed: bool,
-    train_roles: Vec<String>,
-    pad_token_id: i64,
-    pad_to_multiple_of: i64,
-    ignore_index: i64,
-    cp_size: i64,
-    pad_to_length: Option<i64>,
+    samples: Vec<SampleArgs<'py>>,
+    options: &Options,
 ) -> PyResult<ThdLayout> {
-    let inputs = Samples::new(names, &tokens, &masks, &message_lengths, message_roles)?;
-    let samples = inputs.refs()?;
-    let opts = BatchOptions {
-        mode: mode(precomputed),
-        train_roles: &train_roles,
-        pad_token_id,
-        pad_to_multiple_of,
-        ignore_index,
-        cp_size,
-        pad_to_length,
-    };
+    let inputs = Samples::new(samples)?;
+    let refs = inputs.refs()?;
     // Build (detached), then hand the vectors to numpy without copying.
     let out = py
-        .detach(|| batch::build(&samples, &opts))
+        .detach(|| batch::build(&refs, &options.inner))
         .map_err(PyCoreError)?;
     Ok(ThdLayout::new(py, out))
 }
 
-/// Build padded rows, one per sample (arguments as `build_pack`; `pad_to_length` is the
-/// width of every row).
+/// Build padded rows, one per sample (arguments as build_pack; pad_to_length is the width of
+/// every row).
 #[pyfunction]
-#[pyo3(signature = (
-    names, tokens, masks, message_lengths, message_roles, *,
-    precomputed, train_roles, pad_token_id, pad_to_multiple_of, ignore_index, cp_size,
-    pad_to_length
-))]
-#[allow(clippy::too_many_arguments)]
 fn build_padded<'py>(
     py: Python<'py>,
-    names: Vec<String>,
-    tokens: Vec<Bound<'py, PyArray1<i64>>>,
-    masks: Vec<Option<Bound<'py, PyAny>>>,
-    message_lengths: Vec<Option<Bound<'py, PyAny>>>,
-    message_roles: Vec<Option<Vec<String>>>,
-    precomputed: bool,
-    train_roles: Vec<String>,
-    pad_token_id: i64,
-    pad_to_multiple_of: i64,
-    ignore_index: i64,
-    cp_size: i64,
-    pad_to_length: Option<i64>,
+    samples: Vec<SampleArgs<'py>>,
+    options: &Options,
 ) -> PyResult<PaddedLayout> {
-    let inputs = Samples::new(names, &tokens, &masks, &message_lengths, message_roles)?;
-    let samples = inputs.refs()?;
-    let opts = BatchOptions {
-        mode: mode(precomputed),
-        train_roles: &train_roles,
-        pad_token_id,
-        pad_to_multiple_of,
-        ignore_index,
-        cp_size,
-        pad_to_length,
-    };
+    let inputs = Samples::new(samples)?;
+    let refs = inputs.refs()?;
     let out = py
-        .detach(|| batch::build_padded(&samples, &opts))
+        .detach(|| batch::build_padded(&refs, &options.inner))
         .map_err(PyCoreError)?;
     let (r, w) = (out.rows, out.width);
     Ok(PaddedLayout {
@@ -240,15 +330,16 @@ fn build_padded<'py>(
     })
 }
 
-fn mode(precomputed: bool) -> MaskMode {
-    if precomputed {
-        MaskMode::Precomputed
-    } else {
-        MaskMode::Derived
-    }
+/// A bool array as a `uint8` view of its bytes: numpy can hold bytes other than 0 and 1 in a
+/// bool array, which a `&[bool]` must never see (the checks report them instead).
+fn bytes_of<'py, A: PyTypeInfo>(array: &Bound<'py, PyAny>) -> PyResult<Bound<'py, A>> {
+    let py = array.py();
+    Ok(array
+        .call_method1(intern!(py, "view"), (intern!(py, "uint8"),))?
+        .cast_into::<A>()?)
 }
 
-/// The arrays of one THD layout, borrowed; masks as `uint8` views of bool arrays.
+/// The arrays of one THD layout, borrowed; masks as `uint8` views.
 struct ThdArrays<'py> {
     input_ids: PyReadonlyArray1<'py, i64>,
     labels: PyReadonlyArray1<'py, i64>,
@@ -260,28 +351,19 @@ struct ThdArrays<'py> {
     max_seqlen: usize,
 }
 
-type ThdArgs<'py> = (
-    Bound<'py, PyArray1<i64>>,
-    Bound<'py, PyArray1<i64>>,
-    Bound<'py, PyArray1<u8>>,
-    Bound<'py, PyArray1<u8>>,
-    Bound<'py, PyArray1<i64>>,
-    Bound<'py, PyArray1<i32>>,
-    Bound<'py, PyArray1<i32>>,
-    usize,
-);
-
 impl<'py> ThdArrays<'py> {
-    fn borrow(args: &ThdArgs<'py>) -> PyResult<Self> {
+    fn borrow(layout: &Bound<'py, ThdLayout>) -> PyResult<Self> {
+        let py = layout.py();
+        let l = layout.get();
         Ok(Self {
-            input_ids: args.0.try_readonly()?,
-            labels: args.1.try_readonly()?,
-            loss_mask: args.2.try_readonly()?,
-            token_mask: args.3.try_readonly()?,
-            position_ids: args.4.try_readonly()?,
-            cu_seqlens: args.5.try_readonly()?,
-            cu_seqlens_padded: args.6.try_readonly()?,
-            max_seqlen: args.7,
+            input_ids: l.input_ids.bind(py).try_readonly()?,
+            labels: l.labels.bind(py).try_readonly()?,
+            loss_mask: bytes_of::<PyArray1<u8>>(l.loss_mask.bind(py).as_any())?.try_readonly()?,
+            token_mask: bytes_of::<PyArray1<u8>>(l.token_mask.bind(py).as_any())?.try_readonly()?,
+            position_ids: l.position_ids.bind(py).try_readonly()?,
+            cu_seqlens: l.cu_seqlens.bind(py).try_readonly()?,
+            cu_seqlens_padded: l.cu_seqlens_padded.bind(py).try_readonly()?,
+            max_seqlen: l.max_seqlen,
         })
     }
 
@@ -299,36 +381,29 @@ impl<'py> ThdArrays<'py> {
     }
 }
 
-/// Check a THD layout: `layout` is `(input_ids, labels, loss_mask, token_mask, position_ids,
-/// cu_seqlens, cu_seqlens_padded, max_seqlen)`, the masks as `uint8` views.
+/// Check a THD layout: every field against the others, pad_token_id and ignore_index.
 #[pyfunction]
 #[pyo3(signature = (layout, *, pad_token_id, ignore_index))]
 fn check_pack(
     py: Python<'_>,
-    layout: ThdArgs<'_>,
+    layout: &Bound<'_, ThdLayout>,
     pad_token_id: i64,
     ignore_index: i64,
 ) -> PyResult<()> {
-    let arrays = ThdArrays::borrow(&layout)?;
+    let arrays = ThdArrays::borrow(layout)?;
     let view = arrays.view()?;
     py.detach(|| batch::check_thd(&view, pad_token_id, ignore_index))
         .map_err(PyCoreError)?;
     Ok(())
 }
 
-/// Several THD layouts (each as in `check_pack`) as one micro-batch.
+/// Several THD layouts as one micro-batch; each is checked against options (its
+/// pad_token_id, ignore_index and padding multiple), whose pad_to_length is the total.
 #[pyfunction]
-#[pyo3(signature = (
-    layouts, *, pad_token_id, ignore_index, pad_to_multiple_of, cp_size, pad_to_length
-))]
 fn concat_packs<'py>(
     py: Python<'py>,
-    layouts: Vec<ThdArgs<'py>>,
-    pad_token_id: i64,
-    ignore_index: i64,
-    pad_to_multiple_of: i64,
-    cp_size: i64,
-    pad_to_length: Option<i64>,
+    layouts: Vec<Bound<'py, ThdLayout>>,
+    options: &Options,
 ) -> PyResult<ThdLayout> {
     let arrays = layouts
         .iter()
@@ -338,61 +413,48 @@ fn concat_packs<'py>(
         .iter()
         .map(ThdArrays::view)
         .collect::<PyResult<Vec<_>>>()?;
-    let multiple = batch::pad_multiple(pad_to_multiple_of, cp_size).map_err(PyCoreError)?;
-    let pad_to_length = pad_to_length
-        .map(|l| {
-            usize::try_from(l)
-                .ok()
-                .filter(|&l| l >= 1)
-                .ok_or_else(|| CoreError::BatchOption {
-                    name: "pad_to_length",
-                    detail: format!("must be >= 1, got {l}"),
-                })
-        })
-        .transpose()
-        .map_err(PyCoreError)?;
-    let opts = ConcatOptions {
-        pad_token_id,
-        ignore_index,
-        multiple,
-        pad_to_length,
-    };
     let out = py
-        .detach(|| batch::concat(&views, &opts))
+        .detach(|| batch::concat(&views, &options.inner))
         .map_err(PyCoreError)?;
     Ok(ThdLayout::new(py, out))
 }
 
-/// Check padded rows, given flat (row-major) 1-D views of the `[rows, width]` arrays.
+/// Row-major slices of `[rows, width]` arrays: a non-contiguous array is a `TypeError`.
+fn flat<'a, T: numpy::Element>(a: &'a PyReadonlyArray2<'_, T>) -> PyResult<&'a [T]> {
+    Ok(a.as_slice()?)
+}
+
+/// Check padded rows: every field against the others, pad_token_id and ignore_index.
 #[pyfunction]
-#[pyo3(signature = (
-    rows, width, input_ids, labels, loss_mask, token_mask, position_ids, attention_mask,
-    lengths, *, pad_token_id, ignore_index
-))]
-#[allow(clippy::too_many_arguments)]
+#[pyo3(signature = (layout, *, pad_token_id, ignore_index))]
 fn check_padded(
     py: Python<'_>,
-    rows: usize,
-    width: usize,
-    input_ids: PyReadonlyArray1<'_, i64>,
-    labels: PyReadonlyArray1<'_, i64>,
-    loss_mask: PyReadonlyArray1<'_, u8>,
-    token_mask: PyReadonlyArray1<'_, u8>,
-    position_ids: PyReadonlyArray1<'_, i64>,
-    attention_mask: PyReadonlyArray1<'_, u8>,
-    lengths: PyReadonlyArray1<'_, i64>,
+    layout: &Bound<'_, PaddedLayout>,
     pad_token_id: i64,
     ignore_index: i64,
 ) -> PyResult<()> {
+    let l = layout.get();
+    let input_ids = l.input_ids.bind(py).try_readonly()?;
+    let labels = l.labels.bind(py).try_readonly()?;
+    let loss_mask = bytes_of::<PyArray2<u8>>(l.loss_mask.bind(py).as_any())?.try_readonly()?;
+    let token_mask = bytes_of::<PyArray2<u8>>(l.token_mask.bind(py).as_any())?.try_readonly()?;
+    let position_ids = l.position_ids.bind(py).try_readonly()?;
+    let attention_mask =
+        bytes_of::<PyArray2<u8>>(l.attention_mask.bind(py).as_any())?.try_readonly()?;
+    let lengths = l.lengths.bind(py).try_readonly()?;
+    let (rows, width) = match input_ids.shape() {
+        &[rows, width] => (rows, width),
+        _ => (0, 0),
+    };
     let view = PaddedView {
         rows,
         width,
-        input_ids: input_ids.as_slice()?,
-        labels: labels.as_slice()?,
-        loss_mask: loss_mask.as_slice()?,
-        token_mask: token_mask.as_slice()?,
-        position_ids: position_ids.as_slice()?,
-        attention_mask: attention_mask.as_slice()?,
+        input_ids: flat(&input_ids)?,
+        labels: flat(&labels)?,
+        loss_mask: flat(&loss_mask)?,
+        token_mask: flat(&token_mask)?,
+        position_ids: flat(&position_ids)?,
+        attention_mask: flat(&attention_mask)?,
         lengths: lengths.as_slice()?,
     };
     py.detach(|| batch::check_padded(&view, pad_token_id, ignore_index))
@@ -401,6 +463,7 @@ fn check_padded(
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Options>()?;
     m.add_class::<ThdLayout>()?;
     m.add_class::<PaddedLayout>()?;
     m.add_function(wrap_pyfunction!(build_pack, m)?)?;

@@ -1,10 +1,10 @@
 use super::*;
 use proptest::prelude::*;
 
-fn opts(mode: MaskMode, roles: &[String], pad: i64, cp: i64) -> BatchOptions<'_> {
+fn opts(mode: MaskMode, roles: &[String], pad: i64, cp: i64) -> BatchOptions {
     BatchOptions {
         mode,
-        train_roles: roles,
+        train_roles: roles.to_vec(),
         pad_token_id: 0,
         pad_to_multiple_of: pad,
         ignore_index: -100,
@@ -371,18 +371,16 @@ fn packs_join_into_one_micro_batch() {
         bytes(&two.token_mask),
     );
     let parts = [view(&one, &lm1, &tm1), view(&two, &lm2, &tm2)];
-    let c = ConcatOptions {
-        pad_token_id: 0,
-        ignore_index: -100,
-        multiple: 4,
-        pad_to_length: None,
+    let c = BatchOptions {
+        pad_to_multiple_of: 4,
+        ..BatchOptions::default()
     };
     assert_eq!(concat(&parts, &c).ok(), Some(all.clone()));
     let padded = concat(
         &parts,
-        &ConcatOptions {
+        &BatchOptions {
             pad_to_length: Some(24),
-            ..c
+            ..c.clone()
         },
     );
     let Ok(padded) = padded else {
@@ -393,19 +391,75 @@ fn packs_join_into_one_micro_batch() {
     assert_eq!(padded.max_seqlen, 16);
     assert!(check_built(&padded, 0, -100).is_ok());
     // packs not padded for the micro-batch's context parallelism
-    let err = concat(&parts, &ConcatOptions { multiple: 8, ..c });
+    let err = concat(
+        &parts,
+        &BatchOptions {
+            pad_to_multiple_of: 8,
+            ..c.clone()
+        },
+    );
     assert!(
         matches!(err, Err(CoreError::BatchLayout { ref detail }) if detail.starts_with("packs[0]"))
     );
     assert!(concat(
         &parts,
-        &ConcatOptions {
+        &BatchOptions {
             pad_to_length: Some(12),
-            ..c
+            ..c.clone()
         }
     )
     .is_err());
     assert!(matches!(concat(&[], &c), Err(CoreError::EmptyBatch)));
+    // options are checked before the packs
+    let bad = BatchOptions {
+        pad_to_length: Some(6),
+        ..c.clone()
+    };
+    assert!(matches!(
+        concat(&parts, &bad),
+        Err(CoreError::BatchOption {
+            name: "pad_to_length",
+            ..
+        })
+    ));
+}
+
+#[test]
+fn options_validate_alone() {
+    assert_eq!(BatchOptions::default().validate(), Ok(()));
+    let bad = |o: BatchOptions| match o.validate() {
+        Err(CoreError::BatchOption { name, .. }) => Some(name),
+        _ => None,
+    };
+    let d = BatchOptions::default;
+    assert_eq!(
+        bad(BatchOptions {
+            pad_token_id: -1,
+            ..d()
+        }),
+        Some("pad_token_id")
+    );
+    assert_eq!(
+        bad(BatchOptions {
+            pad_to_multiple_of: 0,
+            ..d()
+        }),
+        Some("pad_to_multiple_of")
+    );
+    assert_eq!(bad(BatchOptions { cp_size: 0, ..d() }), Some("cp_size"));
+    assert_eq!(
+        bad(BatchOptions {
+            pad_to_length: Some(0),
+            ..d()
+        }),
+        Some("pad_to_length")
+    );
+    let cp2 = BatchOptions {
+        cp_size: 2,
+        pad_to_length: Some(6),
+        ..d()
+    };
+    assert_eq!(bad(cp2), Some("pad_to_length"));
 }
 
 proptest! {
