@@ -51,12 +51,13 @@ def _check_options(samples, loss_mask_mode, pad_token_id, multiple, pad_to_lengt
         raise BatchOptionError(f"invalid loss_mask_mode: {loss_mask_mode!r}")
     if pad_to_length is not None and pad_to_length < 1:
         raise BatchOptionError("pad_to_length must be >= 1")
-    if not samples:
-        raise EmptySampleError("a batch needs at least one sample, got none")
+    # every option is checked when the options are made, before any sample is seen
     if pad_token_id < 0:
         raise BatchOptionError("pad_token_id must be a token id (>= 0)")
     if pad_to_length is not None and pad_to_length % multiple:
         raise BatchOptionError("pad_to_length must be a multiple of the padding multiple")
+    if not samples:
+        raise EmptySampleError("a batch needs at least one sample, got none")
 
 
 def _tokens_and_mask(s: EncodedSample, loss_mask_mode, train_roles) -> tuple[Any, Any]:

@@ -70,8 +70,12 @@ Worked example (7 tokens, the assistant's answer is tokens 4-6): ``token_mask`` 
 ``[0,0,0,1,1,1,0]``: the predictions of tokens 4, 5 and 6, made at positions 3, 4 and 5. Both
 ``loss_mask_mode`` values give the same fields for the same mask.
 
-Rooms: ``samples`` (``EncodedSample``), ``thd`` (``PackedBatch``, ``pack_samples``,
-``micro_batch``), ``padded`` (``PaddedBatch``, ``pad_samples``), ``fields`` (the field rules),
+Options. ``BatchOptions`` holds every option of the builders (mask mode, trained roles,
+padding, ``ignore_index``, ``cp_size``, ``pad_to_length``), checked once when made; each
+builder takes one as ``options=`` or builds one from the same keyword arguments.
+
+Rooms: ``options`` (``BatchOptions``), ``samples`` (``EncodedSample``), ``thd`` (``PackedBatch``, ``pack_samples``,
+``micro_batch``), ``padded`` (``PaddedBatch``, ``pad_samples``), ``fields`` (the field declaration and rules),
 ``masks`` (loss masks from roles, spans and chat templates).
 """
 
@@ -81,12 +85,15 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
+    from mmpack.batch.options import BatchOptions, BatchOptionTypeError
     from mmpack.batch.padded import PaddedBatch, pad_samples
     from mmpack.batch.samples import EncodedSample
     from mmpack.batch.thd import PackedBatch, merge_media, micro_batch, pack_samples
 
 # Imported on first use: the batch builders need torch, masks need numpy alone.
 _EXPORTS = {
+    "BatchOptions": "mmpack.batch.options",
+    "BatchOptionTypeError": "mmpack.batch.options",
     "EncodedSample": "mmpack.batch.samples",
     "PackedBatch": "mmpack.batch.thd",
     "merge_media": "mmpack.batch.thd",
@@ -97,6 +104,8 @@ _EXPORTS = {
 }
 
 __all__ = [
+    "BatchOptionTypeError",
+    "BatchOptions",
     "EncodedSample",
     "PackedBatch",
     "PaddedBatch",

@@ -1,34 +1,94 @@
-"""Plumbing shared by the batch classes (``mmpack.batch.PackedBatch``,
-``mmpack.batch.padded.PaddedBatch``) and their builders: field type checks, host views for the
-native checks, in-place device moves of frozen batches, and joining media per key."""
+"""The batch fields, declared once (``FIELDS``), and the plumbing shared by the batch classes
+(``mmpack.batch.PackedBatch``, ``mmpack.batch.padded.PaddedBatch``) and their builders: field
+type checks, host views for the native checks, in-place device moves of frozen batches, and
+joining media per key."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
 
-from mmpack._coerce import I64_MIN, bools_as_bytes, option_int, tensor_numpy
+from mmpack._coerce import I64_MIN, option_int, tensor_numpy
 from mmpack.errors import BatchLayoutError, BatchMediaError
 
 __all__ = [
+    "FIELDS",
+    "PADDED_FIELDS",
+    "THD_FIELDS",
+    "Field",
     "check_scalars",
     "check_tensor_fields",
     "host_array",
+    "layout_of",
     "merge_keyed_media",
     "move_fields",
+    "tensor_fields",
+    "tensors_from_layout",
 ]
 
+#: How a field is shaped: ``tokens`` one value per position (``[T]`` in a pack, ``[B, L]`` in
+#: padded rows), ``offsets`` one per sample boundary (``[n + 1]``), ``rows`` one per padded row
+#: (``[B]``), ``scalar`` one ``int`` for the batch.
+ShapeKind = Literal["tokens", "offsets", "rows", "scalar"]
 
-def check_tensor_fields(batch: Any, dtypes: dict[str, torch.dtype], *, ndim: int) -> None:
+
+@dataclasses.dataclass(frozen=True)
+class Field:
+    """One batch field: its name, dtype (``None`` for a Python ``int``), shape kind, what its
+    positions are aligned with, and the layouts that hold it (``thd``, ``padded``)."""
+
+    name: str
+    dtype: torch.dtype | None
+    shape: ShapeKind
+    alignment: str
+    layouts: frozenset[str]
+
+    def ndim(self, layout: str) -> int:
+        """The rank of the field's tensor in ``layout``."""
+        return 2 if self.shape == "tokens" and layout == "padded" else 1
+
+
+_BOTH = frozenset({"thd", "padded"})
+_THD = frozenset({"thd"})
+_PADDED = frozenset({"padded"})
+
+#: Every batch field, in the order of the table in the ``mmpack.batch`` docstring and of the
+#: batch classes' dataclass fields.
+FIELDS: tuple[Field, ...] = (
+    Field("input_ids", torch.int64, "tokens", "input_ids", _BOTH),
+    Field("labels", torch.int64, "tokens", "labels", _BOTH),
+    Field("loss_mask", torch.bool, "tokens", "labels", _BOTH),
+    Field("token_mask", torch.bool, "tokens", "input_ids", _BOTH),
+    Field("position_ids", torch.int64, "tokens", "input_ids", _BOTH),
+    Field("cu_seqlens", torch.int32, "offsets", "samples", _THD),
+    Field("cu_seqlens_padded", torch.int32, "offsets", "samples", _THD),
+    Field("max_seqlen", None, "scalar", "batch", _THD),
+    Field("attention_mask", torch.bool, "tokens", "input_ids", _PADDED),
+    Field("lengths", torch.int64, "rows", "rows", _PADDED),
+)
+
+#: The fields of a THD pack, and of padded rows, in declaration order.
+THD_FIELDS = tuple(f for f in FIELDS if "thd" in f.layouts)
+PADDED_FIELDS = tuple(f for f in FIELDS if "padded" in f.layouts)
+
+
+def tensor_fields(fields: Sequence[Field]) -> tuple[Field, ...]:
+    """The fields that are tensors (every one but ``max_seqlen``)."""
+    return tuple(f for f in fields if f.dtype is not None)
+
+
+def check_tensor_fields(batch: Any, fields: Sequence[Field], *, layout: str) -> None:
     """Every tensor field of ``batch`` is a torch tensor of its dtype and rank, all on one
     device; else ``TypeError`` naming the field (shared by ``PackedBatch`` and
     ``PaddedBatch``)."""
     cls = type(batch).__name__
     device = None
-    for name, dtype in dtypes.items():
+    for field in tensor_fields(fields):
+        name, dtype, ndim = field.name, field.dtype, field.ndim(layout)
         t = getattr(batch, name)
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{cls}.{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -59,9 +119,30 @@ def check_scalars(batch: Any) -> None:
 
 
 def host_array(t: torch.Tensor, name: str) -> np.ndarray:
-    """A tensor field as a contiguous host numpy array (bool as bytes) for the native checks."""
-    arr = np.ascontiguousarray(tensor_numpy(t, name))
-    return bools_as_bytes(arr)
+    """A tensor field as a contiguous host numpy array for the native checks (which read bool
+    arrays as bytes)."""
+    return np.ascontiguousarray(tensor_numpy(t, name))
+
+
+def tensors_from_layout(out: Any, fields: Sequence[Field]) -> dict[str, Any]:
+    """The fields of a native layout (``ThdLayout``, ``PaddedLayout``) as batch fields:
+    tensors sharing the arrays' memory, scalars as ``int``."""
+    return {
+        f.name: int(getattr(out, f.name))
+        if f.dtype is None
+        else torch.from_numpy(getattr(out, f.name))
+        for f in fields
+    }
+
+
+def layout_of(batch: Any, fields: Sequence[Field]) -> dict[str, Any]:
+    """A batch's fields as the native layout constructors take them (host arrays, ints)."""
+    return {
+        f.name: int(getattr(batch, f.name))
+        if f.dtype is None
+        else host_array(getattr(batch, f.name), f.name)
+        for f in fields
+    }
 
 
 def move_fields(

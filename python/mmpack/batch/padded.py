@@ -14,33 +14,33 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Hashable, Sequence
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from mmpack import _native
 from mmpack._coerce import sample_name
 from mmpack.batch.fields import (
+    PADDED_FIELDS,
     check_scalars,
     check_tensor_fields,
-    host_array,
+    layout_of,
     merge_keyed_media,
     move_fields,
+    tensors_from_layout,
 )
+from mmpack.batch.options import BatchOptions, resolve_options
 from mmpack.batch.samples import EncodedSample
 from mmpack.batch.thd import build_native
 from mmpack.errors import BatchLayoutError
 
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from mmpack.batch.options import BatchOptionKeywords
+
 __all__ = ["PaddedBatch", "pad_samples"]
 
-_ROW_DTYPES = {
-    "input_ids": torch.int64,
-    "labels": torch.int64,
-    "loss_mask": torch.bool,
-    "token_mask": torch.bool,
-    "position_ids": torch.int64,
-    "attention_mask": torch.bool,
-}
+#: The ``[B, L]`` fields (every padded field but ``lengths``).
+_ROW_FIELDS = tuple(f.name for f in PADDED_FIELDS if f.shape == "tokens")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -72,14 +72,13 @@ class PaddedBatch:
     pad_token_id: int = 0
     ignore_index: int = -100
 
-    _TENSOR_FIELDS = (*_ROW_DTYPES, "lengths")
+    _TENSOR_FIELDS = tuple(f.name for f in PADDED_FIELDS)
 
     def __post_init__(self) -> None:
-        check_tensor_fields(self, _ROW_DTYPES, ndim=2)
-        check_tensor_fields(self, {"lengths": torch.int64}, ndim=1)
+        check_tensor_fields(self, PADDED_FIELDS, layout="padded")
         check_scalars(self)
         shape = tuple(self.input_ids.shape)
-        for name in _ROW_DTYPES:
+        for name in _ROW_FIELDS:
             if tuple(getattr(self, name).shape) != shape:
                 raise BatchLayoutError(
                     f"inconsistent batch: {name} has shape {tuple(getattr(self, name).shape)}, "
@@ -93,20 +92,14 @@ class PaddedBatch:
             )
         if self.input_ids.device.type == "meta":
             return
-        flat = {n: host_array(getattr(self, n).reshape(-1), n) for n in _ROW_DTYPES}
         _native.check_padded(
-            rows,
-            width,
-            flat["input_ids"],
-            flat["labels"],
-            flat["loss_mask"],
-            flat["token_mask"],
-            flat["position_ids"],
-            flat["attention_mask"],
-            host_array(self.lengths, "lengths"),
-            pad_token_id=self.pad_token_id,
-            ignore_index=self.ignore_index,
+            self.layout(), pad_token_id=self.pad_token_id, ignore_index=self.ignore_index
         )
+
+    def layout(self) -> _native.PaddedLayout:
+        """The fields as one native ``PaddedLayout`` (host arrays), as the native check reads
+        them; a host batch's arrays share its tensors' memory."""
+        return _native.PaddedLayout(**layout_of(self, PADDED_FIELDS))
 
     def __len__(self) -> int:
         """The number of rows (samples)."""
@@ -121,52 +114,30 @@ class PaddedBatch:
 
 def pad_samples(
     samples: Sequence[EncodedSample],
-    *,
-    loss_mask_mode: str | None = None,
-    train_roles: Sequence[str] = ("assistant",),
-    pad_token_id: int = 0,
-    pad_to_multiple_of: int = 1,
-    ignore_index: int = -100,
-    cp_size: int = 1,
-    pad_to_length: int | None = None,
+    options: BatchOptions | None = None,
+    **keywords: Unpack[BatchOptionKeywords],
 ) -> PaddedBatch:
     """Rows ``[B, L]`` of ``samples`` (in order), one per sample; see the module docstring.
 
-    Samples, ``loss_mask_mode``, ``train_roles``, ``pad_token_id``, ``ignore_index`` and the
-    errors are those of ``mmpack.batch.pack_samples``. ``L`` is the longest sample rounded up
-    to the padding multiple (``pad_to_multiple_of``, and ``2 * cp_size`` when ``cp_size > 1``),
-    or ``pad_to_length`` (a multiple of it; ``BatchOptionError`` when the longest sample does
+    Samples, options (``options`` or keyword arguments) and errors are those of
+    ``mmpack.batch.pack_samples``. ``L`` is the longest sample rounded up to the padding
+    multiple (``pad_to_multiple_of``, and ``2 * cp_size`` when ``cp_size > 1``), or
+    ``pad_to_length`` (a multiple of it; ``BatchOptionError`` when the longest sample does
     not fit). Media values are joined per key with ``PackedTensor.concat``.
     """
-    out, samples = build_native(
-        _native.build_padded,
-        samples,
-        loss_mask_mode=loss_mask_mode,
-        train_roles=train_roles,
-        pad_token_id=pad_token_id,
-        pad_to_multiple_of=pad_to_multiple_of,
-        ignore_index=ignore_index,
-        cp_size=cp_size,
-        pad_to_length=pad_to_length,
-    )
+    opts = resolve_options(options, keywords, caller="pad_samples")
+    out, samples = build_native(_native.build_padded, samples, opts)
     batch = object.__new__(PaddedBatch)  # built by the core: the fields agree already
-    fields = {
-        "input_ids": torch.from_numpy(out.input_ids),
-        "labels": torch.from_numpy(out.labels),
-        "loss_mask": torch.from_numpy(out.loss_mask),
-        "token_mask": torch.from_numpy(out.token_mask),
-        "position_ids": torch.from_numpy(out.position_ids),
-        "attention_mask": torch.from_numpy(out.attention_mask),
-        "lengths": torch.from_numpy(out.lengths),
-        "sample_ids": [s.sample_id for s in samples],
-        "media": merge_keyed_media(
+    batch.__dict__.update(  # frozen: no setattr
+        tensors_from_layout(out, PADDED_FIELDS),
+        sample_ids=[s.sample_id for s in samples],
+        media=merge_keyed_media(
             [s.sample_id for s in samples],
             [s.media for s in samples],
             "concat",
             name=sample_name,
         ),
-        "pad_token_id": int(pad_token_id),
-        "ignore_index": int(ignore_index),
-    }
-    batch.__dict__.update(fields)  # frozen: no setattr
+        pad_token_id=opts.pad_token_id,
+        ignore_index=opts.ignore_index,
+    )
     return batch

@@ -16,38 +16,32 @@ from mmpack._coerce import (
     bools_as_bytes,
     int64_array,
     mask_array,
-    option_int,
     role_list,
     sample_name,
     tensor_numpy,
 )
 from mmpack.batch.fields import (
+    THD_FIELDS,
     check_scalars,
     check_tensor_fields,
-    host_array,
+    layout_of,
     merge_keyed_media,
     move_fields,
+    tensor_fields,
+    tensors_from_layout,
 )
+from mmpack.batch.options import BatchOptions, resolve_options
 from mmpack.batch.samples import EncodedSample
 from mmpack.errors import BatchLayoutError, BatchOptionError, EmptySampleError
 
 if TYPE_CHECKING:
-    pass
+    from typing_extensions import Unpack
+
+    from mmpack.batch.options import BatchOptionKeywords
 
 __all__ = ["PackedBatch", "merge_media", "micro_batch", "pack_samples"]
 
 _MEGATRON_EXTRA = "pip install 'mmpack[megatron]'"
-
-
-_THD_DTYPES = {
-    "input_ids": torch.int64,
-    "labels": torch.int64,
-    "loss_mask": torch.bool,
-    "token_mask": torch.bool,
-    "position_ids": torch.int64,
-    "cu_seqlens": torch.int32,
-    "cu_seqlens_padded": torch.int32,
-}
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -82,10 +76,10 @@ class PackedBatch:
     pad_token_id: int = 0
     ignore_index: int = -100
 
-    _TENSOR_FIELDS = tuple(_THD_DTYPES)
+    _TENSOR_FIELDS = tuple(f.name for f in tensor_fields(THD_FIELDS))
 
     def __post_init__(self) -> None:
-        check_tensor_fields(self, _THD_DTYPES, ndim=1)
+        check_tensor_fields(self, THD_FIELDS, layout="thd")
         check_scalars(self)
         if len(self.sample_ids) != len(self.cu_seqlens) - 1:
             raise BatchLayoutError(
@@ -94,7 +88,7 @@ class PackedBatch:
             )
         if self.input_ids.device.type != "meta":
             _native.check_pack(
-                self._layout_args(),
+                self.layout(),
                 pad_token_id=self.pad_token_id,
                 ignore_index=self.ignore_index,
             )
@@ -108,22 +102,12 @@ class PackedBatch:
 
     @classmethod
     def _from_layout(cls, out: _native.ThdLayout, **rest: Any) -> PackedBatch:
-        return cls._unchecked(
-            input_ids=torch.from_numpy(out.input_ids),
-            labels=torch.from_numpy(out.labels),
-            loss_mask=torch.from_numpy(out.loss_mask),
-            token_mask=torch.from_numpy(out.token_mask),
-            position_ids=torch.from_numpy(out.position_ids),
-            cu_seqlens=torch.from_numpy(out.cu_seqlens),
-            cu_seqlens_padded=torch.from_numpy(out.cu_seqlens_padded),
-            max_seqlen=int(out.max_seqlen),
-            **rest,
-        )
+        return cls._unchecked(**tensors_from_layout(out, THD_FIELDS), **rest)
 
-    def _layout_args(self) -> tuple[Any, ...]:
-        """The arrays as the native checks read them (host numpy, masks as bytes)."""
-        arrays = [host_array(getattr(self, name), name) for name in self._TENSOR_FIELDS]
-        return (*arrays, int(self.max_seqlen))
+    def layout(self) -> _native.ThdLayout:
+        """The fields as one native ``ThdLayout`` (host arrays), as the native checks and
+        ``micro_batch`` read them; a host batch's arrays share its tensors' memory."""
+        return _native.ThdLayout(**layout_of(self, THD_FIELDS))
 
     def __len__(self) -> int:
         """The number of samples in the pack."""
@@ -189,68 +173,28 @@ def merge_media(samples: Sequence[EncodedSample]) -> dict[str, Any]:
 
 
 def build_native(
-    build: Callable[..., Any],
+    build: Callable[[list[Any], _native.BatchOptions], Any],
     samples: Sequence[EncodedSample],
-    *,
-    loss_mask_mode: str | None,
-    train_roles: Sequence[str],
-    pad_token_id: int,
-    pad_to_multiple_of: int,
-    ignore_index: int,
-    cp_size: int,
-    pad_to_length: int | None,
+    options: BatchOptions,
 ) -> tuple[Any, list[EncodedSample]]:
-    """Check the options, convert the samples and run the native builder ``build``
-    (``build_pack`` or ``build_padded``); returns its result and the samples as a list."""
-    if loss_mask_mode not in (None, "precomputed"):
-        raise BatchOptionError(
-            f"invalid loss_mask_mode: {loss_mask_mode!r} (expected None or 'precomputed')"
-        )
-    precomputed = loss_mask_mode == "precomputed"
-    roles_train = role_list(train_roles, "train_roles")
-    pad_token_id = option_int(pad_token_id, "pad_token_id", error=BatchOptionError)
-    ignore_index = option_int(ignore_index, "ignore_index", error=BatchOptionError)
-    pad_to_multiple_of = option_int(
-        pad_to_multiple_of, "pad_to_multiple_of", error=BatchOptionError, minimum=1
-    )
-    cp_size = option_int(cp_size, "cp_size", error=BatchOptionError, minimum=1)
-    if pad_to_length is not None:
-        pad_to_length = option_int(
-            pad_to_length, "pad_to_length", error=BatchOptionError, minimum=1
-        )
-
+    """Convert the samples and run the native builder ``build`` (``build_pack`` or
+    ``build_padded``) with ``options``; returns its result and the samples as a list."""
     samples = list(samples)
     for i, s in enumerate(samples):
         if not isinstance(s, EncodedSample):
             raise TypeError(f"samples[{i}] is a {type(s).__name__}, not an EncodedSample")
-    names = [sample_name(s.sample_id) for s in samples]
-    tokens = [_tokens(s) for s in samples]
-    n = len(samples)
-    masks: list[np.ndarray | None] = [None] * n
-    lengths: list[Any] = [None] * n
-    roles: list[Any] = [None] * n
+    precomputed = options.precomputed
     if precomputed:
-        masks = [_mask(s) for s in samples]
+        args = [(sample_name(s.sample_id), _tokens(s), _mask(s), None, None) for s in samples]
     else:
         # Short per-message lists go to Rust as they are (extracted there); a wrong type is
         # diagnosed per sample below, only when the native call rejects it.
-        lengths = [_lengths(s) for s in samples]
-        roles = [s.message_roles for s in samples]
+        args = [
+            (sample_name(s.sample_id), _tokens(s), None, _lengths(s), s.message_roles)
+            for s in samples
+        ]
     try:
-        out = build(
-            names,
-            tokens,
-            masks,
-            lengths,
-            roles,
-            precomputed=precomputed,
-            train_roles=roles_train,
-            pad_token_id=pad_token_id,
-            pad_to_multiple_of=pad_to_multiple_of,
-            ignore_index=ignore_index,
-            cp_size=cp_size,
-            pad_to_length=pad_to_length,
-        )
+        out = build(args, options.native)
     except (TypeError, OverflowError):
         # a wrong type or an int beyond int64 in a message field: name the sample
         if not precomputed:
@@ -262,16 +206,15 @@ def build_native(
 
 def pack_samples(
     samples: Sequence[EncodedSample],
-    *,
-    loss_mask_mode: str | None = None,
-    train_roles: Sequence[str] = ("assistant",),
-    pad_token_id: int = 0,
-    pad_to_multiple_of: int = 1,
-    ignore_index: int = -100,
-    cp_size: int = 1,
-    pad_to_length: int | None = None,
+    options: BatchOptions | None = None,
+    **keywords: Unpack[BatchOptionKeywords],
 ) -> PackedBatch:
     """Pack ``samples`` (in order) into one THD sequence; see the module docstring.
+
+    ``options``: a ``mmpack.batch.BatchOptions``; or the same options as keyword arguments
+    (``loss_mask_mode``, ``train_roles``, ``pad_token_id``, ``pad_to_multiple_of``,
+    ``ignore_index``, ``cp_size``, ``pad_to_length``), from which one is built. Both at once:
+    ``BatchOptionTypeError`` unless the keywords repeat the options' values.
 
     ``loss_mask_mode=None``: each sample's mask is derived from ``message_lengths`` and
     ``message_roles`` (roles in ``train_roles`` are trained on; ``loss_mask`` is ignored).
@@ -288,45 +231,36 @@ def pack_samples(
     included), a negative ``pad_token_id``, an ``ignore_index`` in ``[0, largest token id of
     the batch]`` (a label equal to it would silently leave the loss) or a pack longer than
     ``pad_to_length``; ``BatchMediaError`` / ``TypeError`` for media that cannot be merged.
-    ``TypeError`` too for an item that is not an ``EncodedSample``, a field of the wrong type
-    (bools as ``message_lengths`` included) or a ``meta`` tensor (it has no values).
+    ``TypeError`` too for an item that is not an ``EncodedSample``, a field or option of the
+    wrong type (bools as ``message_lengths`` included) or a ``meta`` tensor (it has no values).
     """
-    out, samples = build_native(
-        _native.build_pack,
-        samples,
-        loss_mask_mode=loss_mask_mode,
-        train_roles=train_roles,
-        pad_token_id=pad_token_id,
-        pad_to_multiple_of=pad_to_multiple_of,
-        ignore_index=ignore_index,
-        cp_size=cp_size,
-        pad_to_length=pad_to_length,
-    )
+    opts = resolve_options(options, keywords, caller="pack_samples")
+    out, samples = build_native(_native.build_pack, samples, opts)
     return PackedBatch._from_layout(
         out,
         sample_ids=[s.sample_id for s in samples],
         media=merge_media(samples),
-        pad_token_id=int(pad_token_id),
-        ignore_index=int(ignore_index),
+        pad_token_id=opts.pad_token_id,
+        ignore_index=opts.ignore_index,
     )
 
 
 def micro_batch(
     packs: Sequence[PackedBatch],
-    *,
-    pad_to_length: int | None = None,
-    pad_to_multiple_of: int = 1,
-    cp_size: int = 1,
+    options: BatchOptions | None = None,
+    **keywords: Unpack[BatchOptionKeywords],
 ) -> PackedBatch:
     """Several packs as one THD micro-batch (``batch_size > 1`` packs per step): their samples
     in order in one ``[T]`` sequence, offsets shifted, media merged per key.
 
-    ``pad_to_length``: the micro-batch's total length (one shape for every micro-batch, as
-    pipeline parallelism needs); the last sample absorbs the padding. ``pad_to_multiple_of`` /
-    ``cp_size``: the padding the packs were built with; every sample must be padded to that
+    Of the options (``options``, or keyword arguments as in ``pack_samples``), the micro-batch
+    reads ``pad_to_length``: its total length (one shape for every micro-batch, as pipeline
+    parallelism needs), the last sample absorbing the padding; and ``pad_to_multiple_of`` /
+    ``cp_size``: the padding the packs were built with. Every sample must be padded to that
     multiple (each sequence splits into ``2 * cp_size`` chunks for context parallelism), and
     ``pad_to_length`` must be one too. ``cu_seqlens`` / ``cu_seqlens_padded`` / ``max_seqlen``
-    then fit ``packed_seq_params()`` for that choice.
+    then fit ``packed_seq_params()`` for that choice. Given ``options``, the packs must also
+    hold its ``pad_token_id`` and ``ignore_index`` (the options they were built with).
 
     Packs are joined on the host (join first, then ``.to(device)``). Errors:
     ``EmptySampleError`` for no packs; ``TypeError`` for an item that is not a
@@ -335,6 +269,7 @@ def micro_batch(
     ``BatchLayoutError`` naming the pack whose fields disagree or whose samples are not padded
     to the multiple.
     """
+    opts = resolve_options(options, keywords, caller="micro_batch")
     packs = list(packs)
     if not packs:
         raise EmptySampleError("micro_batch needs at least one pack, got none")
@@ -354,22 +289,14 @@ def micro_batch(
                     f"invalid packs: packs[{i}] has {name}={getattr(p, name)}, packs[0] "
                     f"{getattr(first, name)}; a micro-batch has one of each"
                 )
-    pad_to_multiple_of = option_int(
-        pad_to_multiple_of, "pad_to_multiple_of", error=BatchOptionError, minimum=1
-    )
-    cp_size = option_int(cp_size, "cp_size", error=BatchOptionError, minimum=1)
-    if pad_to_length is not None:
-        pad_to_length = option_int(
-            pad_to_length, "pad_to_length", error=BatchOptionError, minimum=1
-        )
-    out = _native.concat_packs(
-        [p._layout_args() for p in packs],
-        pad_token_id=first.pad_token_id,
-        ignore_index=first.ignore_index,
-        pad_to_multiple_of=pad_to_multiple_of,
-        cp_size=cp_size,
-        pad_to_length=pad_to_length,
-    )
+            if options is not None and getattr(p, name) != getattr(options, name):
+                raise BatchOptionError(
+                    f"invalid packs: packs[{i}] has {name}={getattr(p, name)}, the options "
+                    f"{getattr(options, name)}; build the packs with the micro-batch's options"
+                )
+    if (first.pad_token_id, first.ignore_index) != (opts.pad_token_id, opts.ignore_index):
+        opts = opts.replace(pad_token_id=first.pad_token_id, ignore_index=first.ignore_index)
+    out = _native.concat_packs([p.layout() for p in packs], opts.native)
     return PackedBatch._from_layout(
         out,
         sample_ids=[sid for p in packs for sid in p.sample_ids],

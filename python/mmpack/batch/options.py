@@ -1,0 +1,170 @@
+"""``BatchOptions``: how a batch is built, declared once and checked once.
+
+One frozen value holds the mask mode, the trained roles, the padding and the label fill;
+``pack_samples``, ``pad_samples``, ``micro_batch`` and the Energon encoder all read it, and it
+crosses into the Rust core as one native value. The builders still take the options as keyword
+arguments; those build a ``BatchOptions`` (``resolve_options``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping, Sequence
+from typing import Any, TypedDict
+
+from mmpack import _native
+from mmpack._coerce import option_int, role_list
+from mmpack.errors import BatchOptionError
+
+__all__ = ["BatchOptionTypeError", "BatchOptionKeywords", "BatchOptions", "resolve_options"]
+
+LOSS_MASK_MODES = (None, "precomputed")
+
+
+class BatchOptionTypeError(BatchOptionError, TypeError):
+    """A batch option of the wrong type (a bool or a float for an int, a string for the
+    roles), or ``options=`` together with a keyword that contradicts it. A
+    ``BatchOptionError`` like every bad option, and a ``TypeError`` as Python's own argument
+    errors are."""
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchOptions:
+    """How a batch is built; every value is checked when the options are made
+    (``BatchOptionError`` naming the option, ``BatchOptionTypeError`` for a wrong type).
+
+    ``loss_mask_mode``: ``None`` derives each sample's mask from its message lengths and roles
+    (roles in ``train_roles`` are trained on); ``"precomputed"`` uses the sample's own
+    ``loss_mask``. ``pad_token_id``: the token of the padding (a token id, ``>= 0``).
+    ``pad_to_multiple_of`` / ``cp_size``: every sample is padded to a multiple of
+    ``pad_to_multiple_of`` and, when ``cp_size > 1``, of ``2 * cp_size`` (context
+    parallelism). ``ignore_index``: the label of every untrained position (it must not be a
+    token id of the batch, checked per batch). ``pad_to_length``: the total length of a pack
+    or micro-batch (the width of every padded row), a multiple of the padding multiple;
+    ``None``: as short as the samples allow.
+    """
+
+    loss_mask_mode: str | None = None
+    train_roles: tuple[str, ...] = ("assistant",)
+    pad_token_id: int = 0
+    pad_to_multiple_of: int = 1
+    ignore_index: int = -100
+    cp_size: int = 1
+    pad_to_length: int | None = None
+    native: _native.BatchOptions = dataclasses.field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.loss_mask_mode not in LOSS_MASK_MODES:
+            raise BatchOptionError(
+                f"invalid loss_mask_mode: {self.loss_mask_mode!r} (expected None or "
+                "'precomputed')"
+            )
+        try:
+            roles = tuple(role_list(self.train_roles, "train_roles"))
+            ints = {
+                "pad_token_id": option_int(
+                    self.pad_token_id, "pad_token_id", error=BatchOptionError
+                ),
+                "pad_to_multiple_of": option_int(
+                    self.pad_to_multiple_of, "pad_to_multiple_of", error=BatchOptionError, minimum=1
+                ),
+                "ignore_index": option_int(
+                    self.ignore_index, "ignore_index", error=BatchOptionError
+                ),
+                "cp_size": option_int(self.cp_size, "cp_size", error=BatchOptionError, minimum=1),
+            }
+            length = self.pad_to_length
+            if length is not None:
+                length = option_int(length, "pad_to_length", error=BatchOptionError, minimum=1)
+        except BatchOptionError:
+            raise
+        except TypeError as exc:  # a wrong type, named by the message
+            raise BatchOptionTypeError(str(exc)) from None
+        object.__setattr__(self, "train_roles", roles)
+        for name, value in ints.items():
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "pad_to_length", length)
+        # The core's own checks (a negative pad_token_id, the padding multiple, pad_to_length
+        # against it), here rather than at the first batch.
+        native = _native.BatchOptions(
+            precomputed=self.loss_mask_mode == "precomputed",
+            train_roles=list(roles),
+            pad_to_length=length,
+            **ints,
+        )
+        object.__setattr__(self, "native", native)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # The native value does not pickle; the options rebuild it (the encoder holding them
+        # crosses into data-loader workers).
+        return (type(self), tuple(getattr(self, name) for name in OPTION_NAMES))
+
+    @property
+    def precomputed(self) -> bool:
+        """Whether each sample's own loss mask is used."""
+        return self.loss_mask_mode == "precomputed"
+
+    def replace(self, **changes: Any) -> BatchOptions:
+        """A copy with ``changes`` (checked like any new options)."""
+        return dataclasses.replace(self, **changes)
+
+    def keywords(self) -> dict[str, Any]:
+        """The options that differ from the defaults, as keyword arguments of the builders
+        (``pack_samples(samples, **options.keywords())`` builds with these options)."""
+        return {
+            name: getattr(self, name)
+            for name in OPTION_NAMES
+            if getattr(self, name) != getattr(_DEFAULTS, name)
+        }
+
+
+#: The option names, in declaration order.
+OPTION_NAMES = tuple(f.name for f in dataclasses.fields(BatchOptions) if f.init)
+
+_DEFAULTS = BatchOptions()
+
+
+class BatchOptionKeywords(TypedDict, total=False):
+    """The options as the builders' keyword arguments (types only; ``BatchOptions`` is the
+    declaration, and a test keeps the two equal)."""
+
+    loss_mask_mode: str | None
+    train_roles: Sequence[str]
+    pad_token_id: int
+    pad_to_multiple_of: int
+    ignore_index: int
+    cp_size: int
+    pad_to_length: int | None
+
+
+def resolve_options(
+    options: BatchOptions | None, keywords: Mapping[str, Any], *, caller: str
+) -> BatchOptions:
+    """The options of one call: ``options``, or ones built from the keyword arguments.
+
+    Both at once are accepted only when every keyword repeats what ``options`` holds;
+    otherwise ``BatchOptionTypeError`` naming the keywords that contradict it. An unknown
+    keyword is a ``TypeError`` naming it.
+    """
+    unknown = [name for name in keywords if name not in OPTION_NAMES]
+    if unknown:
+        raise TypeError(f"{caller}() got unexpected keyword arguments: {', '.join(unknown)}")
+    if options is None:
+        return _DEFAULTS if not keywords else BatchOptions(**keywords)
+    if not isinstance(options, BatchOptions):
+        raise BatchOptionTypeError(
+            f"options must be a BatchOptions, got {type(options).__name__}"
+        )
+    if keywords:
+        merged = options.replace(**keywords)
+        conflicts = [
+            f"{name}={getattr(merged, name)!r} (options: {getattr(options, name)!r})"
+            for name in keywords
+            if getattr(merged, name) != getattr(options, name)
+        ]
+        if conflicts:
+            raise BatchOptionTypeError(
+                f"{caller}() got options= and keyword arguments that contradict them: "
+                f"{', '.join(conflicts)}; pass the options one way"
+            )
+    return options
