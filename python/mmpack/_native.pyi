@@ -194,16 +194,66 @@ def assign_to_ranks(
 
 # --- mask / batch ---
 _BoolArray: _typing.TypeAlias = numpy.ndarray[Any, numpy.dtype[numpy.bool_]]
-_U8Array: _typing.TypeAlias = numpy.ndarray[Any, numpy.dtype[numpy.uint8]]
 _I32Array: _typing.TypeAlias = numpy.ndarray[Any, numpy.dtype[numpy.int32]]
-#: (input_ids, labels, loss_mask, token_mask, position_ids, cu_seqlens, cu_seqlens_padded,
-#: max_seqlen), the masks as uint8 views
-_ThdArgs: _typing.TypeAlias = tuple[
-    _I64Array, _I64Array, _U8Array, _U8Array, _I64Array, _I32Array, _I32Array, int
-]
+_I64Array2: _typing.TypeAlias = numpy.ndarray[tuple[int, int], numpy.dtype[numpy.int64]]
+_BoolArray2: _typing.TypeAlias = numpy.ndarray[tuple[int, int], numpy.dtype[numpy.bool_]]
+
+@_typing.final
+class BatchOptions:
+    """Batch options (mmpack_core::batch::BatchOptions), checked when made: every build_pack,
+    build_padded and concat_packs call reads one."""
+
+    def __new__(
+        cls,
+        *,
+        precomputed: bool,
+        train_roles: list[str],
+        pad_token_id: int,
+        pad_to_multiple_of: int,
+        ignore_index: int,
+        cp_size: int,
+        pad_to_length: int | None,
+    ) -> BatchOptions: ...
+    @property
+    def precomputed(self) -> bool:
+        """Whether each sample's own loss mask is used (else it is derived from roles)."""
+    @property
+    def train_roles(self) -> list[str]:
+        """Roles whose messages are trained on."""
+    @property
+    def pad_token_id(self) -> int:
+        """The token id of the padding."""
+    @property
+    def pad_to_multiple_of(self) -> int:
+        """Every sample is padded to a multiple of this."""
+    @property
+    def ignore_index(self) -> int:
+        """The label of every position that is not trained on."""
+    @property
+    def cp_size(self) -> int:
+        """Context-parallel ranks: samples are also padded to a multiple of 2 * cp_size."""
+    @property
+    def pad_to_length(self) -> int | None:
+        """The total length of a pack, or the width of every padded row; None: as short as the
+        samples allow."""
 
 @_typing.final
 class ThdLayout:
+    """One pack in Megatron's THD layout (mmpack_core::batch::ThdLayout), as numpy arrays: built
+    by build_pack and concat_packs, or made from a batch's fields for check_pack."""
+
+    def __new__(
+        cls,
+        *,
+        input_ids: _I64Array,
+        labels: _I64Array,
+        loss_mask: _BoolArray,
+        token_mask: _BoolArray,
+        position_ids: _I64Array,
+        cu_seqlens: _I32Array,
+        cu_seqlens_padded: _I32Array,
+        max_seqlen: int,
+    ) -> ThdLayout: ...
     @property
     def input_ids(self) -> _I64Array: ...
     @property
@@ -223,6 +273,20 @@ class ThdLayout:
 
 @_typing.final
 class PaddedLayout:
+    """Padded rows [rows, width] (mmpack_core::batch::PaddedLayout), as numpy arrays: built by
+    build_padded, or made from a batch's fields for check_padded."""
+
+    def __new__(
+        cls,
+        *,
+        input_ids: _I64Array2,
+        labels: _I64Array2,
+        loss_mask: _BoolArray2,
+        token_mask: _BoolArray2,
+        position_ids: _I64Array2,
+        attention_mask: _BoolArray2,
+        lengths: _I64Array,
+    ) -> PaddedLayout: ...
     @property
     def input_ids(self) -> _I64Array: ...
     @property
@@ -259,60 +323,28 @@ def turn_spans(
     markers: numpy.ndarray[Any, numpy.dtype[numpy.int64]],
     sample: str,
 ) -> numpy.ndarray[Any, numpy.dtype[numpy.int64]]: ...
-def build_pack(
-    names: list[str],
-    tokens: list[_I64Array],
-    masks: list[numpy.ndarray[Any, Any] | None],
-    message_lengths: list[_typing.Sequence[int] | None],
-    message_roles: list[list[str] | None],
-    *,
-    precomputed: bool,
-    train_roles: list[str],
-    pad_token_id: int,
-    pad_to_multiple_of: int,
-    ignore_index: int,
-    cp_size: int,
-    pad_to_length: int | None,
-) -> ThdLayout: ...
-def build_padded(
-    names: list[str],
-    tokens: list[_I64Array],
-    masks: list[numpy.ndarray[Any, Any] | None],
-    message_lengths: list[_typing.Sequence[int] | None],
-    message_roles: list[list[str] | None],
-    *,
-    precomputed: bool,
-    train_roles: list[str],
-    pad_token_id: int,
-    pad_to_multiple_of: int,
-    ignore_index: int,
-    cp_size: int,
-    pad_to_length: int | None,
-) -> PaddedLayout: ...
-def check_pack(layout: _ThdArgs, *, pad_token_id: int, ignore_index: int) -> None: ...
-def concat_packs(
-    layouts: list[_ThdArgs],
-    *,
-    pad_token_id: int,
-    ignore_index: int,
-    pad_to_multiple_of: int,
-    cp_size: int,
-    pad_to_length: int | None,
-) -> ThdLayout: ...
-def check_padded(
-    rows: int,
-    width: int,
-    input_ids: _I64Array,
-    labels: _I64Array,
-    loss_mask: _U8Array,
-    token_mask: _U8Array,
-    position_ids: _I64Array,
-    attention_mask: _U8Array,
-    lengths: _I64Array,
-    *,
-    pad_token_id: int,
-    ignore_index: int,
-) -> None: ...
+
+#: One sample as the build calls take it: (name, tokens, mask, message_lengths, message_roles)
+_SampleArgs: _typing.TypeAlias = tuple[
+    str, _I64Array, numpy.ndarray[Any, Any] | None, _typing.Sequence[int] | None, list[str] | None
+]
+
+def build_pack(samples: list[_SampleArgs], options: BatchOptions) -> ThdLayout:
+    """Build one pack from samples, each (name, tokens, mask, message_lengths, message_roles)."""
+
+def build_padded(samples: list[_SampleArgs], options: BatchOptions) -> PaddedLayout:
+    """Build padded rows, one per sample (arguments as build_pack; pad_to_length is the width of
+    every row)."""
+
+def check_pack(layout: ThdLayout, *, pad_token_id: int, ignore_index: int) -> None:
+    """Check a THD layout: every field against the others, pad_token_id and ignore_index."""
+
+def concat_packs(layouts: list[ThdLayout], options: BatchOptions) -> ThdLayout:
+    """Several THD layouts as one micro-batch; each is checked against options (its
+    pad_token_id, ignore_index and padding multiple), whose pad_to_length is the total."""
+
+def check_padded(layout: PaddedLayout, *, pad_token_id: int, ignore_index: int) -> None:
+    """Check padded rows: every field against the others, pad_token_id and ignore_index."""
 
 # --- gather ---
 

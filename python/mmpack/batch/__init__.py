@@ -74,9 +74,10 @@ Options. ``BatchOptions`` holds every option of the builders (mask mode, trained
 padding, ``ignore_index``, ``cp_size``, ``pad_to_length``), checked once when made; each
 builder takes one as ``options=`` or builds one from the same keyword arguments.
 
-Rooms: ``options`` (``BatchOptions``), ``samples`` (``EncodedSample``), ``thd`` (``PackedBatch``, ``pack_samples``,
-``micro_batch``), ``padded`` (``PaddedBatch``, ``pad_samples``), ``fields`` (the field declaration and rules),
-``masks`` (loss masks from roles, spans and chat templates).
+Rooms: ``options`` (``BatchOptions``), ``samples`` (``EncodedSample``), ``thd``
+(``PackedBatch``, ``pack_samples``, ``micro_batch``), ``padded`` (``PaddedBatch``,
+``pad_samples``), ``fields`` (the field declaration and rules), ``masks`` (loss masks from
+roles, spans and chat templates).
 """
 
 from __future__ import annotations

@@ -16,7 +16,7 @@ from mmpack import _native
 from mmpack._coerce import option_int, role_list
 from mmpack.errors import BatchOptionError
 
-__all__ = ["BatchOptionTypeError", "BatchOptionKeywords", "BatchOptions", "resolve_options"]
+__all__ = ["BatchOptionKeywords", "BatchOptionTypeError", "BatchOptions", "resolve_options"]
 
 LOSS_MASK_MODES = (None, "precomputed")
 
@@ -56,8 +56,7 @@ class BatchOptions:
     def __post_init__(self) -> None:
         if self.loss_mask_mode not in LOSS_MASK_MODES:
             raise BatchOptionError(
-                f"invalid loss_mask_mode: {self.loss_mask_mode!r} (expected None or "
-                "'precomputed')"
+                f"invalid loss_mask_mode: {self.loss_mask_mode!r} (expected None or 'precomputed')"
             )
         try:
             roles = tuple(role_list(self.train_roles, "train_roles"))
@@ -152,9 +151,7 @@ def resolve_options(
     if options is None:
         return _DEFAULTS if not keywords else BatchOptions(**keywords)
     if not isinstance(options, BatchOptions):
-        raise BatchOptionTypeError(
-            f"options must be a BatchOptions, got {type(options).__name__}"
-        )
+        raise BatchOptionTypeError(f"options must be a BatchOptions, got {type(options).__name__}")
     if keywords:
         merged = options.replace(**keywords)
         conflicts = [

@@ -16,6 +16,8 @@ import dataclasses
 from collections.abc import Hashable, Sequence
 from typing import TYPE_CHECKING, Any
 
+import torch
+
 from mmpack import _native
 from mmpack._coerce import sample_name
 from mmpack.batch.fields import (
@@ -84,7 +86,7 @@ class PaddedBatch:
                     f"inconsistent batch: {name} has shape {tuple(getattr(self, name).shape)}, "
                     f"input_ids {shape}"
                 )
-        rows, width = shape
+        rows = shape[0]
         if len(self.lengths) != rows or len(self.sample_ids) != rows:
             raise BatchLayoutError(
                 f"inconsistent batch: {rows} rows but {len(self.lengths)} lengths and "

@@ -184,6 +184,7 @@ def build_native(
         if not isinstance(s, EncodedSample):
             raise TypeError(f"samples[{i}] is a {type(s).__name__}, not an EncodedSample")
     precomputed = options.precomputed
+    args: list[tuple[str, np.ndarray, np.ndarray | None, Any, Any]]
     if precomputed:
         args = [(sample_name(s.sample_id), _tokens(s), _mask(s), None, None) for s in samples]
     else:

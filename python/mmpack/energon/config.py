@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from mmpack.batch.options import BatchOptions
 from mmpack.errors import EnergonConfigError
 
 __all__ = ["RENAMED_FIELDS", "RETIRED_FIELDS", "PackingEncoderConfig"]
@@ -119,6 +120,18 @@ class PackingEncoderConfig:
     pad_to_multiple_of: int = 1
     ignore_index: int = -100
     cp_size: int = 1
+
+    def batch_options(self) -> BatchOptions:
+        """The options of the batch builders (`mmpack.batch.BatchOptions`) this config sets;
+        ``BatchOptionError`` for values the builders refuse."""
+        return BatchOptions(
+            loss_mask_mode=self.loss_mask_mode,
+            train_roles=self.train_roles,
+            pad_token_id=self.pad_token_id,
+            pad_to_multiple_of=self.pad_to_multiple_of,
+            ignore_index=self.ignore_index,
+            cp_size=self.cp_size,
+        )
 
     def __post_init__(self) -> None:
         for name in ("train_roles", "modalities"):

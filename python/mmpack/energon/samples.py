@@ -10,11 +10,16 @@ The batch fields (``labels``, ``loss_mask``, ``token_mask``, ...) are those of t
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from megatron.energon import Batch, Sample, edataclass
 
 from mmpack.energon.media import MediaHandle
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from mmpack.batch.options import BatchOptionKeywords, BatchOptions
 
 __all__ = ["Conversation", "EncodedConversation", "Part", "SftBatch", "SftPack", "Turn"]
 
@@ -87,18 +92,13 @@ class SftBatch(Batch):
     padded: Any = None  # mmpack.batch.padded.PaddedBatch
 
     def micro_batch(
-        self, *, pad_to_length: int | None = None, pad_to_multiple_of: int = 1, cp_size: int = 1
+        self, options: BatchOptions | None = None, **keywords: Unpack[BatchOptionKeywords]
     ) -> Any:
         """The packs as one THD `PackedBatch` (`mmpack.batch.micro_batch`): pass the encoder's
-        ``pad_to_multiple_of`` / ``cp_size`` and, for pipeline parallelism, the fixed
-        ``pad_to_length`` of every micro-batch."""
+        ``batch_options`` (or its ``pad_to_multiple_of`` / ``cp_size``) and, for pipeline
+        parallelism, the fixed ``pad_to_length`` of every micro-batch."""
         from mmpack.batch import micro_batch
 
         if self.packs is None:
             raise TypeError("SftBatch.micro_batch() needs packs; this batch holds padded rows")
-        return micro_batch(
-            self.packs,
-            pad_to_length=pad_to_length,
-            pad_to_multiple_of=pad_to_multiple_of,
-            cp_size=cp_size,
-        )
+        return micro_batch(self.packs, options, **keywords)

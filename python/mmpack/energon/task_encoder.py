@@ -31,6 +31,7 @@ from megatron.energon import DefaultTaskEncoder, SkipSample, stateless
 
 from mmpack import PackedTensor
 from mmpack.batch import EncodedSample, PackedBatch, pack_samples
+from mmpack.batch.options import BatchOptions
 from mmpack.batch.padded import PaddedBatch, pad_samples
 from mmpack.energon import conversation as markup
 from mmpack.energon.chat_template import TemplateMedia, encode_with_chat_template, markup_media
@@ -159,7 +160,7 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
             check_chat_template(self.encode_conversation, cfg.modalities)
         self._probe_packer()
         self._check_ignore_index()
-        self._probe_batch_options()
+        self.batch_options = self._probe_batch_options()
         check_hooks(
             self,
             restored_hooks=self.RESTORED_HOOKS,
@@ -185,15 +186,17 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
                 f"packing options rejected by {self.packer_name}: {type(err).__name__}: {err}"
             ) from err
 
-    def _probe_batch_options(self) -> None:
-        """Fail at construction (not in a worker) if the batch options are invalid (a negative
-        ``pad_token_id``, an ``ignore_index`` equal to it): one padding token through the
-        batch builder."""
+    def _probe_batch_options(self) -> BatchOptions:
+        """The config's batch options, made once; fail at construction (not in a worker) if
+        they are invalid (a negative ``pad_token_id``, an ``ignore_index`` equal to it): one
+        padding token through the batch builder."""
         probe = EncodedSample("probe", [self.config.pad_token_id], loss_mask=[1])
         try:
-            pack_samples([probe], **{**self.pack_options(), "loss_mask_mode": "precomputed"})
+            options = self.config.batch_options()
+            pack_samples([probe], options.replace(loss_mask_mode="precomputed"))
         except BatchOptionError as err:
             raise EnergonConfigError(f"batch options rejected by pack_samples: {err}") from err
+        return options
 
     def _check_ignore_index(self) -> None:
         """Refuse an ``ignore_index`` that is a token id of the tokenizer: labels of that token
@@ -283,26 +286,18 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
         )
 
     def pack_options(self) -> dict[str, Any]:
-        """The keyword options of `mmpack.batch.pack_samples` (and of
-        `mmpack.batch.padded.pad_samples`) taken from the config."""
-        cfg = self.config
-        return {
-            "loss_mask_mode": cfg.loss_mask_mode,
-            "train_roles": cfg.train_roles,
-            "pad_token_id": cfg.pad_token_id,
-            "pad_to_multiple_of": cfg.pad_to_multiple_of,
-            "ignore_index": cfg.ignore_index,
-            "cp_size": cfg.cp_size,
-        }
+        """``batch_options`` as keyword arguments of `mmpack.batch.pack_samples` (and of
+        `mmpack.batch.padded.pad_samples`): those that differ from the defaults."""
+        return self.batch_options.keywords()
 
     def build_pack(self, samples: Sequence[EncodedConversation]) -> PackedBatch:
         """`PackedBatch` of decoded samples (`mmpack.batch.pack_samples`)."""
-        return pack_samples([self.to_encoded_sample(s) for s in samples], **self.pack_options())
+        return pack_samples([self.to_encoded_sample(s) for s in samples], self.batch_options)
 
     def build_padded(self, samples: Sequence[EncodedConversation]) -> PaddedBatch:
         """Rows padded to the longest sample, rounded up to the padding multiple (the
         no-packing path; `mmpack.batch.padded.pad_samples`)."""
-        return pad_samples([self.to_encoded_sample(s) for s in samples], **self.pack_options())
+        return pad_samples([self.to_encoded_sample(s) for s in samples], self.batch_options)
 
     # ------------------------------------------------------------------ Energon hooks
 
