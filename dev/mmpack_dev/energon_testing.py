@@ -59,16 +59,11 @@ def pack_digest(pack: Any) -> tuple[Any, ...]:
                 [bytes(p) for p in (value._segment_provenance or [])],
             )
         )
+    from mmpack.batch.fields import THD_FIELDS
+
     return (
         tuple(pack.sample_ids),
-        _tensor_list(pack.input_ids),
-        _tensor_list(pack.labels),
-        _tensor_list(pack.loss_mask),
-        _tensor_list(pack.token_mask),
-        _tensor_list(pack.position_ids),
-        _tensor_list(pack.cu_seqlens),
-        _tensor_list(pack.cu_seqlens_padded),
-        int(pack.max_seqlen),
+        *(_tensor_list(getattr(pack, f.name)) for f in THD_FIELDS),
         tuple(media),
     )
 

@@ -13,7 +13,7 @@ import pytest
 pytest.importorskip("megatron.energon")
 
 import torch
-from mmpack.batch import PackedBatch, pack_samples
+from mmpack.batch import BatchOptions, PackedBatch, pack_samples
 from mmpack.batch.padded import PaddedBatch, pad_samples
 from mmpack.energon import PackingEncoderConfig, PackingTaskEncoder, cook_generic
 from mmpack.errors import EnergonConfigError
@@ -83,6 +83,23 @@ def test_packs_join_into_one_micro_batch(tokenizer: Any, worker: Any) -> None:
     assert joined.sample_ids == ["c0", "c1", "c2"]
     with pytest.raises(TypeError, match="needs packs"):
         enc.batch(samples).micro_batch()
+
+
+def test_the_encoder_makes_its_batch_options_once_from_the_config(
+    tokenizer: Any, worker: Any
+) -> None:
+    changes = {"loss_mask_mode": "precomputed", "pad_to_multiple_of": 4, "cp_size": 2}
+    enc = _encoder(tokenizer, **changes, ignore_index=-1, batch_size=2)
+    assert enc.batch_options == BatchOptions(**changes, ignore_index=-1)
+    assert BatchOptions(**enc.pack_options()) == enc.batch_options
+    samples = _encoded(enc)
+    packs = [enc.pack_selected_samples(samples[:2]), enc.pack_selected_samples(samples[2:])]
+    fixed = enc.batch_options.replace(pad_to_length=256)
+    joined = enc.batch(packs).micro_batch(fixed)
+    whole = pack_samples([enc.to_encoded_sample(s) for s in samples], fixed)
+    for name in PackedBatch._TENSOR_FIELDS:
+        assert torch.equal(getattr(joined, name), getattr(whole, name)), name
+    assert joined.ignore_index == -1
 
 
 @pytest.mark.parametrize(
