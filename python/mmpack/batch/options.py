@@ -13,7 +13,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any, TypedDict
 
 from mmpack import _native
-from mmpack._coerce import option_int, role_list
+from mmpack._coerce import I64_MAX, I64_MIN, option_int, role_list
 from mmpack.errors import BatchOptionError
 
 __all__ = ["BatchOptionKeywords", "BatchOptionTypeError", "BatchOptions", "resolve_options"]
@@ -59,22 +59,18 @@ class BatchOptions:
                 f"invalid loss_mask_mode: {self.loss_mask_mode!r} (expected None or 'precomputed')"
             )
         try:
-            roles = tuple(role_list(self.train_roles, "train_roles"))
+            roles = self.train_roles
+            if type(roles) is not tuple or not all(type(r) is str for r in roles):
+                roles = tuple(role_list(roles, "train_roles"))
             ints = {
-                "pad_token_id": option_int(
-                    self.pad_token_id, "pad_token_id", error=BatchOptionError
-                ),
-                "pad_to_multiple_of": option_int(
-                    self.pad_to_multiple_of, "pad_to_multiple_of", error=BatchOptionError, minimum=1
-                ),
-                "ignore_index": option_int(
-                    self.ignore_index, "ignore_index", error=BatchOptionError
-                ),
-                "cp_size": option_int(self.cp_size, "cp_size", error=BatchOptionError, minimum=1),
+                "pad_token_id": _int_option(self.pad_token_id, "pad_token_id", I64_MIN),
+                "pad_to_multiple_of": _int_option(self.pad_to_multiple_of, "pad_to_multiple_of", 1),
+                "ignore_index": _int_option(self.ignore_index, "ignore_index", I64_MIN),
+                "cp_size": _int_option(self.cp_size, "cp_size", 1),
             }
             length = self.pad_to_length
             if length is not None:
-                length = option_int(length, "pad_to_length", error=BatchOptionError, minimum=1)
+                length = _int_option(length, "pad_to_length", 1)
         except BatchOptionError:
             raise
         except TypeError as exc:  # a wrong type, named by the message
@@ -117,9 +113,18 @@ class BatchOptions:
         }
 
 
+def _int_option(value: Any, name: str, minimum: int) -> int:
+    """An int option in ``[minimum, 2**63 - 1]`` (``option_int``, with a fast path for a plain
+    ``int``: options are made per batch)."""
+    if type(value) is int and minimum <= value <= I64_MAX:
+        return value
+    return option_int(value, name, error=BatchOptionError, minimum=minimum)
+
+
 #: The option names, in declaration order.
 OPTION_NAMES = tuple(f.name for f in dataclasses.fields(BatchOptions) if f.init)
 
+_OPTION_SET = frozenset(OPTION_NAMES)
 _DEFAULTS = BatchOptions()
 
 
@@ -145,11 +150,11 @@ def resolve_options(
     otherwise ``BatchOptionTypeError`` naming the keywords that contradict it. An unknown
     keyword is a ``TypeError`` naming it.
     """
-    unknown = [name for name in keywords if name not in OPTION_NAMES]
-    if unknown:
+    if not _OPTION_SET.issuperset(keywords):
+        unknown = [name for name in keywords if name not in _OPTION_SET]
         raise TypeError(f"{caller}() got unexpected keyword arguments: {', '.join(unknown)}")
     if options is None:
-        return _DEFAULTS if not keywords else BatchOptions(**keywords)
+        return _from_keywords(keywords) if keywords else _DEFAULTS
     if not isinstance(options, BatchOptions):
         raise BatchOptionTypeError(f"options must be a BatchOptions, got {type(options).__name__}")
     if keywords:
@@ -165,3 +170,37 @@ def resolve_options(
                 f"{', '.join(conflicts)}; pass the options one way"
             )
     return options
+
+
+#: Options already made from keyword arguments, by their exact values and types (so that
+#: ``True`` never stands for ``1``): a builder called per batch with the same keywords checks
+#: them once.
+_MADE: dict[tuple[Any, ...], BatchOptions] = {}
+_MADE_LIMIT = 64
+
+
+def _from_keywords(keywords: Mapping[str, Any]) -> BatchOptions:
+    key = _cache_key(keywords)
+    if key is None:
+        return BatchOptions(**keywords)
+    made = _MADE.get(key)
+    if made is None:
+        made = BatchOptions(**keywords)
+        if len(_MADE) >= _MADE_LIMIT:
+            _MADE.clear()
+        _MADE[key] = made
+    return made
+
+
+def _cache_key(keywords: Mapping[str, Any]) -> tuple[Any, ...] | None:
+    """The keywords as a key of exact types, or ``None`` for values not worth keying (anything
+    but ``None``, ``int``, ``str`` and sequences of ``str``)."""
+    key: list[Any] = []
+    for name, value in keywords.items():
+        if value is None or type(value) is int or type(value) is str:
+            key.append((name, type(value), value))
+        elif type(value) in (list, tuple) and all(type(r) is str for r in value):
+            key.append((name, tuple, tuple(value)))
+        else:
+            return None
+    return tuple(sorted(key, key=lambda item: item[0]))
