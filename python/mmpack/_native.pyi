@@ -324,15 +324,20 @@ def turn_spans(
     sample: str,
 ) -> numpy.ndarray[Any, numpy.dtype[numpy.int64]]: ...
 
-#: One sample as the build calls take it: (name, tokens, mask, message_lengths, message_roles)
-_SampleArgs: _typing.TypeAlias = tuple[
-    str, _I64Array, numpy.ndarray[Any, Any] | None, _typing.Sequence[int] | None, list[str] | None
-]
+class _SampleColumns(_typing.TypedDict):
+    """The samples of a build call, one list per field."""
 
-def build_pack(samples: list[_SampleArgs], options: BatchOptions) -> ThdLayout:
-    """Build one pack from samples, each (name, tokens, mask, message_lengths, message_roles)."""
+    names: list[str]
+    tokens: list[_I64Array]
+    masks: list[numpy.ndarray[Any, Any] | None]
+    message_lengths: list[_typing.Sequence[int] | None]
+    message_roles: list[list[str] | None]
 
-def build_padded(samples: list[_SampleArgs], options: BatchOptions) -> PaddedLayout:
+def build_pack(samples: _SampleColumns, options: BatchOptions) -> ThdLayout:
+    """Build one pack. samples: a dict of parallel lists, names, tokens, masks, message_lengths
+    and message_roles (masks are read in precomputed mode, the messages otherwise)."""
+
+def build_padded(samples: _SampleColumns, options: BatchOptions) -> PaddedLayout:
     """Build padded rows, one per sample (arguments as build_pack; pad_to_length is the width of
     every row)."""
 

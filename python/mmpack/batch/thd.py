@@ -173,7 +173,7 @@ def merge_media(samples: Sequence[EncodedSample]) -> dict[str, Any]:
 
 
 def build_native(
-    build: Callable[[list[Any], _native.BatchOptions], Any],
+    build: Callable[[Any, _native.BatchOptions], Any],
     samples: Sequence[EncodedSample],
     options: BatchOptions,
 ) -> tuple[Any, list[EncodedSample]]:
@@ -184,18 +184,23 @@ def build_native(
         if not isinstance(s, EncodedSample):
             raise TypeError(f"samples[{i}] is a {type(s).__name__}, not an EncodedSample")
     precomputed = options.precomputed
-    args: list[tuple[str, np.ndarray, np.ndarray | None, Any, Any]]
+    n = len(samples)
+    columns: dict[str, list[Any]] = {
+        "names": [sample_name(s.sample_id) for s in samples],
+        "tokens": [_tokens(s) for s in samples],
+        "masks": [None] * n,
+        "message_lengths": [None] * n,
+        "message_roles": [None] * n,
+    }
     if precomputed:
-        args = [(sample_name(s.sample_id), _tokens(s), _mask(s), None, None) for s in samples]
+        columns["masks"] = [_mask(s) for s in samples]
     else:
         # Short per-message lists go to Rust as they are (extracted there); a wrong type is
         # diagnosed per sample below, only when the native call rejects it.
-        args = [
-            (sample_name(s.sample_id), _tokens(s), None, _lengths(s), s.message_roles)
-            for s in samples
-        ]
+        columns["message_lengths"] = [_lengths(s) for s in samples]
+        columns["message_roles"] = [s.message_roles for s in samples]
     try:
-        out = build(args, options.native)
+        out = build(columns, options.native)
     except (TypeError, OverflowError):
         # a wrong type or an int beyond int64 in a message field: name the sample
         if not precomputed:

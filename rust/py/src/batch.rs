@@ -2,6 +2,7 @@
 //! padded rows from the samples and one `BatchOptions`; one call checks a layout built
 //! elsewhere.
 use mmpack_core::batch::{self, MaskMode, PaddedView, SampleRef, ThdView};
+use mmpack_core::CoreError;
 use numpy::{
     IntoPyArray, PyArray1, PyArray2, PyArrayMethods, PyReadonlyArray1, PyReadonlyArray2,
     PyUntypedArrayMethods,
@@ -208,16 +209,18 @@ fn rows_of<'py, T: numpy::Element>(
     Ok(v.into_pyarray(py).reshape([rows, width])?.unbind())
 }
 
-/// One sample as the build calls take it: `(name, tokens, mask, message_lengths,
-/// message_roles)`; `name` names it in errors.
+/// The samples of a build call, one list per field (`names[i]` names sample `i` in errors),
+/// read from a dict with these keys. Columns rather than one tuple per sample: building a
+/// tuple per sample in Python costs more than the lists.
 #[derive(FromPyObject)]
-struct SampleArgs<'py>(
-    String,
-    Bound<'py, PyArray1<i64>>,
-    Option<Bound<'py, PyAny>>,
-    Option<Bound<'py, PyAny>>,
-    Option<Vec<String>>,
-);
+#[pyo3(from_item_all)]
+struct SampleColumns<'py> {
+    names: Vec<String>,
+    tokens: Vec<Bound<'py, PyArray1<i64>>>,
+    masks: Vec<Option<Bound<'py, PyAny>>>,
+    message_lengths: Vec<Option<Bound<'py, PyAny>>>,
+    message_roles: Vec<Option<Vec<String>>>,
+}
 
 /// The samples of a build call, borrowed from Python while attached; `refs` views them as
 /// core samples (valid while detached). A sample's mask is read in precomputed mode, its
@@ -247,25 +250,39 @@ fn lengths_of(obj: &Bound<'_, PyAny>, sample: &str) -> PyResult<Vec<i64>> {
 }
 
 impl<'py> Samples<'py> {
-    fn new(samples: Vec<SampleArgs<'py>>) -> PyResult<Self> {
-        let n = samples.len();
-        let mut out = Self {
-            names: Vec::with_capacity(n),
-            tokens: Vec::with_capacity(n),
-            masks: Vec::with_capacity(n),
-            message_lengths: Vec::with_capacity(n),
-            message_roles: Vec::with_capacity(n),
-        };
-        for SampleArgs(name, tokens, mask, lengths, roles) in samples {
-            out.tokens.push(tokens.try_readonly()?);
-            out.masks
-                .push(mask.as_ref().map(MaskArr::borrow).transpose()?);
-            out.message_lengths
-                .push(lengths.as_ref().map(|l| lengths_of(l, &name)).transpose()?);
-            out.message_roles.push(roles);
-            out.names.push(name);
+    fn new(columns: SampleColumns<'py>) -> PyResult<Self> {
+        let n = columns.names.len();
+        if columns.tokens.len() != n
+            || columns.masks.len() != n
+            || columns.message_lengths.len() != n
+            || columns.message_roles.len() != n
+        {
+            return Err(PyCoreError(CoreError::BatchOption {
+                name: "samples",
+                detail: "the per-sample lists differ in length".to_owned(),
+            })
+            .into());
         }
-        Ok(out)
+        Ok(Self {
+            tokens: columns
+                .tokens
+                .iter()
+                .map(|t| t.try_readonly())
+                .collect::<Result<_, _>>()?,
+            masks: columns
+                .masks
+                .iter()
+                .map(|m| m.as_ref().map(MaskArr::borrow).transpose())
+                .collect::<PyResult<_>>()?,
+            message_lengths: columns
+                .message_lengths
+                .iter()
+                .zip(&columns.names)
+                .map(|(l, name)| l.as_ref().map(|l| lengths_of(l, name)).transpose())
+                .collect::<PyResult<_>>()?,
+            names: columns.names,
+            message_roles: columns.message_roles,
+        })
     }
 
     fn refs(&self) -> PyResult<Vec<SampleRef<'_>>> {
@@ -289,11 +306,12 @@ impl<'py> Samples<'py> {
     }
 }
 
-/// Build one pack from samples, each (name, tokens, mask, message_lengths, message_roles).
+/// Build one pack. samples: a dict of parallel lists, names, tokens, masks, message_lengths
+/// and message_roles (masks are read in precomputed mode, the messages otherwise).
 #[pyfunction]
 fn build_pack<'py>(
     py: Python<'py>,
-    samples: Vec<SampleArgs<'py>>,
+    samples: SampleColumns<'py>,
     options: &Options,
 ) -> PyResult<ThdLayout> {
     let inputs = Samples::new(samples)?;
@@ -310,7 +328,7 @@ fn build_pack<'py>(
 #[pyfunction]
 fn build_padded<'py>(
     py: Python<'py>,
-    samples: Vec<SampleArgs<'py>>,
+    samples: SampleColumns<'py>,
     options: &Options,
 ) -> PyResult<PaddedLayout> {
     let inputs = Samples::new(samples)?;
