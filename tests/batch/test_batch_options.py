@@ -9,6 +9,7 @@ import copy
 import dataclasses
 import pickle
 import re
+from pathlib import Path
 from typing import Any, get_type_hints
 
 import mmpack.batch
@@ -265,3 +266,10 @@ def test_the_field_declaration_matches_built_batches_and_the_documented_table() 
         (f.name, "int" if f.dtype is None else str(f.dtype).removeprefix("torch.")) for f in FIELDS
     ]
     assert table == declared
+
+
+def test_the_readme_table_lists_the_declared_fields_in_order() -> None:
+    readme = Path(__file__).resolve().parents[2] / "README.md"
+    section = readme.read_text(encoding="utf-8").split("### Batch fields", 1)[1]
+    rows = re.findall(r"^\| `(\w+)` \|", section, flags=re.MULTILINE)
+    assert rows[: len(FIELDS)] == [f.name for f in FIELDS]
