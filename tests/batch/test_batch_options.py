@@ -74,6 +74,7 @@ def test_options_are_normalised_frozen_and_picklable() -> None:
         opts.pad_token_id = 3  # type: ignore[misc]
     for clone in (pickle.loads(pickle.dumps(opts)), copy.deepcopy(opts), copy.copy(opts)):
         assert clone == opts and clone.native.pad_to_length == 8
+    assert BatchOptions(**dataclasses.asdict(opts)) == opts
     assert opts == BatchOptions(
         loss_mask_mode="precomputed", train_roles=("assistant", "tool"), pad_to_length=8
     )

@@ -51,7 +51,6 @@ class BatchOptions:
     ignore_index: int = -100
     cp_size: int = 1
     pad_to_length: int | None = None
-    native: _native.BatchOptions = dataclasses.field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.loss_mask_mode not in LOSS_MASK_MODES:
@@ -87,12 +86,19 @@ class BatchOptions:
             pad_to_length=length,
             **ints,
         )
-        object.__setattr__(self, "native", native)
+        # Not a dataclass field: asdict/astuple/replace see the options alone.
+        object.__setattr__(self, "_native", native)
 
     def __reduce__(self) -> tuple[Any, ...]:
         # The native value does not pickle; the options rebuild it (the encoder holding them
         # crosses into data-loader workers).
         return (type(self), tuple(getattr(self, name) for name in OPTION_NAMES))
+
+    @property
+    def native(self) -> _native.BatchOptions:
+        """The options as the native builders read them (one ``_native.BatchOptions``)."""
+        native: _native.BatchOptions = self.__dict__["_native"]
+        return native
 
     @property
     def precomputed(self) -> bool:
@@ -122,7 +128,7 @@ def _int_option(value: Any, name: str, minimum: int) -> int:
 
 
 #: The option names, in declaration order.
-OPTION_NAMES = tuple(f.name for f in dataclasses.fields(BatchOptions) if f.init)
+OPTION_NAMES = tuple(f.name for f in dataclasses.fields(BatchOptions))
 
 _OPTION_SET = frozenset(OPTION_NAMES)
 _DEFAULTS = BatchOptions()
