@@ -169,13 +169,15 @@ static CLASSES: PyOnceLock<Vec<Py<PyType>>> = PyOnceLock::new();
 impl ErrorClass {
     /// The exception of this class with message `msg`.
     pub fn new_err(self, msg: String) -> PyErr {
-        Python::attach(|py| match CLASSES.get(py).and_then(|c| c.get(self as usize)) {
-            Some(class) => PyErr::from_type(class.bind(py).clone(), msg),
-            // Only reachable before module init has finished, which raises nothing.
-            None => PyRuntimeError::new_err(format!(
-                "{self:?} raised before {MODULE} was initialised: {msg}"
-            )),
-        })
+        Python::attach(
+            |py| match CLASSES.get(py).and_then(|c| c.get(self as usize)) {
+                Some(class) => PyErr::from_type(class.bind(py).clone(), msg),
+                // Only reachable before module init has finished, which raises nothing.
+                None => PyRuntimeError::new_err(format!(
+                    "{self:?} raised before {MODULE} was initialised: {msg}"
+                )),
+            },
+        )
     }
 }
 
@@ -187,7 +189,9 @@ fn resolve_base<'py>(
 ) -> PyResult<Bound<'py, PyAny>> {
     if let Some(row) = ERROR_TABLE.iter().position(|spec| spec.name == name) {
         return made.get(row).map(|c| c.clone().into_any()).ok_or_else(|| {
-            PyImportError::new_err(format!("error table: {name} is used as a base before its row"))
+            PyImportError::new_err(format!(
+                "error table: {name} is used as a base before its row"
+            ))
         });
     }
     let (module, attr) = name.rsplit_once('.').unwrap_or(("builtins", name));
@@ -219,7 +223,12 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
             .cast_into::<PyType>()?;
         m.add(spec.name, &class)?;
         made.push(class);
-        rows.append((spec.name, PyTuple::new(py, spec.bases)?, spec.area, spec.doc))?;
+        rows.append((
+            spec.name,
+            PyTuple::new(py, spec.bases)?,
+            spec.area,
+            spec.doc,
+        ))?;
     }
     m.add("ERROR_TABLE", PyTuple::new(py, rows)?)?;
     CLASSES
