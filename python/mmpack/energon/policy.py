@@ -209,6 +209,11 @@ def check_sample(
     counted (`EncodedConversation.trainable_tokens`; its mask inputs were validated there);
     `check_conversation` has already checked the conversation's structure."""
     key = conversation.__key__
+    if encoded.trainable_tokens is None:
+        raise SampleFormatError(
+            f"sample {key!r} has no trainable-token count: it was not made by "
+            "EncodedConversation.validated_from, so its mask inputs were never validated"
+        )
     if encoded.trainable_tokens == 0:
         raise skip(conversation, "empty_trainable_mask", "no token is trainable")
     if encoded.num_tokens > config.capacity:

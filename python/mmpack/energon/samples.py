@@ -59,11 +59,12 @@ class EncodedConversation(Sample):
     message_roles: list[str] | None
     media: list[MediaHandle]
     media_units: int
-    #: tokens trained on (counted from the validated mask, or from the roles in roles mode)
-    trainable_tokens: int
     #: tokens each item of `media` was encoded with (its placeholder expansion), which the
     #: decoded item must take too; None: recounted from each item's metadata or header
     media_tokens: list[int] | None = None
+    #: tokens trained on, counted by `validated_from` from the validated mask (or the roles in
+    #: roles mode); None: not made by `validated_from`
+    trainable_tokens: int | None = None
     #: filled by postencode_sample: {"pixel_values": PackedTensor (one row)}, or None
     decoded_media: dict[str, Any] | None = None
 
