@@ -203,140 +203,124 @@ class ChatTemplateEncoder:
         cannot be mapped back onto the messages and parts, `SampleFormatError` for sample
         problems (a part's flags contradicting its role in roles mode, placeholders that do
         not match the media)."""
-        return _encode(
-            conversation,
-            tokenizer=self.tokenizer,
-            media=self.media,
-            train_roles=self.train_roles,
-            loss_mask_mode=self.loss_mask_mode,
-            uses_generation_blocks=self.uses_generation_blocks,
-        )
+        tokenizer = self.tokenizer
+        media = self.media
+        train_roles = self.train_roles
+        key = str(conversation.__key__)
+        turns = conversation.turns
+        if not turns:
+            raise SampleFormatError(f"sample {key!r} has no turns")
+        messages = hf_messages(conversation, list_content=media.list_content)
+        renderings = templates.render_prefixes(tokenizer, messages, sample_id=key)
+        bounds = _message_bounds(renderings, key)
+        full = renderings[-1]
+        encoding = _fast_backend(tokenizer).encode(full, add_special_tokens=False)
+        ids = list(encoding.ids)
+        offsets = list(encoding.offsets)
+        n = len(ids)
 
-
-def _encode(
-    conversation: Conversation,
-    *,
-    tokenizer: Any,
-    media: TemplateMedia,
-    train_roles: Sequence[str],
-    loss_mask_mode: str | None,
-    uses_generation_blocks: bool,
-) -> EncodedConversation:
-    key = str(conversation.__key__)
-    turns = conversation.turns
-    if not turns:
-        raise SampleFormatError(f"sample {key!r} has no turns")
-    messages = hf_messages(conversation, list_content=media.list_content)
-    renderings = templates.render_prefixes(tokenizer, messages, sample_id=key)
-    bounds = _message_bounds(renderings, key)
-    full = renderings[-1]
-    encoding = _fast_backend(tokenizer).encode(full, add_special_tokens=False)
-    ids = list(encoding.ids)
-    offsets = list(encoding.offsets)
-    n = len(ids)
-
-    message_of = np.empty(n, dtype=np.int64)
-    for i, (start, end) in enumerate(offsets):
-        m = bisect.bisect_right(bounds, start) - 1
-        m = min(max(m, 0), len(turns) - 1)
-        if end > bounds[m + 1]:
-            raise ChatTemplateError(
-                f"sample {key!r}: token {i} ({full[start:end]!r}) straddles the end of message "
-                f"{m}'s rendering; message boundaries do not fall on token boundaries"
-            )
-        message_of[i] = m
-
-    in_generation = (
-        _generation_mask(tokenizer, messages, ids, key)
-        if uses_generation_blocks
-        else np.zeros(n, dtype=np.bool_)
-    )
-    if in_generation.shape[0] != n:
-        raise ChatTemplateError(
-            f"sample {key!r}: the template's assistant mask has {in_generation.shape[0]} "
-            f"entries for {n} tokens"
-        )
-
-    precomputed = loss_mask_mode == "precomputed"
-    if not precomputed:
-        _check_flags_match_roles(conversation, train_roles)
-    placeholder_kind = {int(v): k for k, v in media.placeholder_ids.items()}
-    trainable = np.zeros(n, dtype=np.bool_)
-    markup_span = np.zeros(n, dtype=np.bool_)  # roles mode: outside the generation block
-    placeholders: list[tuple[int, MediaHandle]] = []
-    for m, turn in enumerate(turns):
-        lo = int(np.searchsorted(message_of, m, side="left"))
-        hi = int(np.searchsorted(message_of, m, side="right"))
-        by_role = turn.role in train_roles
-        flags = [p.trainable for p in turn.parts if p.media is None and p.trainable is not None]
-        marker = (any(flags) if flags else by_role) if precomputed else by_role
-        uses_generation = bool(in_generation[lo:hi].any())
-        token_flag = np.full(hi - lo, marker, dtype=np.bool_)
-        if uses_generation:
-            token_flag &= in_generation[lo:hi]
-            markup_span[lo:hi] = ~in_generation[lo:hi]
-        cursor = bounds[m]
-        end = bounds[m + 1]
-        part_tokens: list[int] = []
-        for p_idx, part in enumerate(turn.parts):
-            if part.media is not None:
-                want = media.placeholder_ids.get(part.media.kind)
-                if want is None:
-                    raise SampleFormatError(
-                        f"sample {key!r}: {part.media.kind} media {part.media.key!r} has no "
-                        "placeholder token configured"
-                    )
-                t = _next_token(ids, offsets, lo, hi, cursor, int(want))
-                if t is None:
-                    raise ChatTemplateError(
-                        f"sample {key!r}: message {m}: the chat template rendered no "
-                        f"{part.media.kind} placeholder for media {part.media.key!r}"
-                    )
-                placeholders.append((t, part.media))
-                part_tokens.append(t)
-                cursor = offsets[t][1]
-                if precomputed:
-                    token_flag[t - lo] = by_role if not flags else False
-                continue
-            if not part.text:
-                continue
-            where = full.find(part.text, cursor, end)
-            text = part.text
-            if where < 0:
-                text = part.text.strip()
-                where = full.find(text, cursor, end) if text else -1
-            if where < 0:
+        message_of = np.empty(n, dtype=np.int64)
+        for i, (start, end) in enumerate(offsets):
+            m = bisect.bisect_right(bounds, start) - 1
+            m = min(max(m, 0), len(turns) - 1)
+            if end > bounds[m + 1]:
                 raise ChatTemplateError(
-                    f"sample {key!r}: message {m} part {p_idx}: the chat template does not "
-                    "render the part's text verbatim, so its tokens cannot be located"
+                    f"sample {key!r}: token {i} ({full[start:end]!r}) straddles the end of message "
+                    f"{m}'s rendering; message boundaries do not fall on token boundaries"
                 )
-            if precomputed:
-                flag = by_role if part.trainable is None else part.trainable
-                for t in range(lo, hi):
-                    start = offsets[t][0]
-                    if where <= start < where + len(text):
-                        token_flag[t - lo] = flag and (in_generation[t] or not uses_generation)
-            cursor = where + len(text)
-        filled = set(part_tokens)
-        extra = [t for t in range(lo, hi) if ids[t] in placeholder_kind and t not in filled]
-        if extra:
-            raise SampleFormatError(
-                f"sample {key!r}: message {m} holds {len(extra)} media placeholder token(s) "
-                f"({placeholder_kind[ids[extra[0]]]}) that no media item of the sample fills "
-                "(a placeholder written in the text?)"
+            message_of[i] = m
+
+        in_generation = (
+            _generation_mask(tokenizer, messages, ids, key)
+            if self.uses_generation_blocks
+            else np.zeros(n, dtype=np.bool_)
+        )
+        if in_generation.shape[0] != n:
+            raise ChatTemplateError(
+                f"sample {key!r}: the template's assistant mask has {in_generation.shape[0]} "
+                f"entries for {n} tokens"
             )
-        trainable[lo:hi] = token_flag
-    return _expand(
-        conversation,
-        ids,
-        trainable,
-        message_of,
-        markup_span,
-        placeholders,
-        media,
-        train_roles=train_roles,
-        precomputed=precomputed,
-    )
+
+        precomputed = self.loss_mask_mode == "precomputed"
+        if not precomputed:
+            _check_flags_match_roles(conversation, train_roles)
+        placeholder_kind = {int(v): k for k, v in media.placeholder_ids.items()}
+        trainable = np.zeros(n, dtype=np.bool_)
+        markup_span = np.zeros(n, dtype=np.bool_)  # roles mode: outside the generation block
+        placeholders: list[tuple[int, MediaHandle]] = []
+        for m, turn in enumerate(turns):
+            lo = int(np.searchsorted(message_of, m, side="left"))
+            hi = int(np.searchsorted(message_of, m, side="right"))
+            by_role = turn.role in train_roles
+            flags = [p.trainable for p in turn.parts if p.media is None and p.trainable is not None]
+            marker = (any(flags) if flags else by_role) if precomputed else by_role
+            uses_generation = bool(in_generation[lo:hi].any())
+            token_flag = np.full(hi - lo, marker, dtype=np.bool_)
+            if uses_generation:
+                token_flag &= in_generation[lo:hi]
+                markup_span[lo:hi] = ~in_generation[lo:hi]
+            cursor = bounds[m]
+            end = bounds[m + 1]
+            part_tokens: list[int] = []
+            for p_idx, part in enumerate(turn.parts):
+                if part.media is not None:
+                    want = media.placeholder_ids.get(part.media.kind)
+                    if want is None:
+                        raise SampleFormatError(
+                            f"sample {key!r}: {part.media.kind} media {part.media.key!r} has no "
+                            "placeholder token configured"
+                        )
+                    t = _next_token(ids, offsets, lo, hi, cursor, int(want))
+                    if t is None:
+                        raise ChatTemplateError(
+                            f"sample {key!r}: message {m}: the chat template rendered no "
+                            f"{part.media.kind} placeholder for media {part.media.key!r}"
+                        )
+                    placeholders.append((t, part.media))
+                    part_tokens.append(t)
+                    cursor = offsets[t][1]
+                    if precomputed:
+                        token_flag[t - lo] = by_role if not flags else False
+                    continue
+                if not part.text:
+                    continue
+                where = full.find(part.text, cursor, end)
+                text = part.text
+                if where < 0:
+                    text = part.text.strip()
+                    where = full.find(text, cursor, end) if text else -1
+                if where < 0:
+                    raise ChatTemplateError(
+                        f"sample {key!r}: message {m} part {p_idx}: the chat template does not "
+                        "render the part's text verbatim, so its tokens cannot be located"
+                    )
+                if precomputed:
+                    flag = by_role if part.trainable is None else part.trainable
+                    for t in range(lo, hi):
+                        start = offsets[t][0]
+                        if where <= start < where + len(text):
+                            token_flag[t - lo] = flag and (in_generation[t] or not uses_generation)
+                cursor = where + len(text)
+            filled = set(part_tokens)
+            extra = [t for t in range(lo, hi) if ids[t] in placeholder_kind and t not in filled]
+            if extra:
+                raise SampleFormatError(
+                    f"sample {key!r}: message {m} holds {len(extra)} media placeholder token(s) "
+                    f"({placeholder_kind[ids[extra[0]]]}) that no media item of the sample fills "
+                    "(a placeholder written in the text?)"
+                )
+            trainable[lo:hi] = token_flag
+        return _expand(
+            conversation,
+            ids,
+            trainable,
+            message_of,
+            markup_span,
+            placeholders,
+            media,
+            train_roles=train_roles,
+            precomputed=precomputed,
+        )
 
 
 def _next_token(
