@@ -138,7 +138,9 @@ def test_an_encoding_not_made_by_a_conversation_encoder_is_refused_by_name() -> 
         broken.revalidated(enc.config.train_roles)
 
 
-def test_an_overriding_encode_conversation_is_validated_and_counted_again() -> None:
+def test_an_overriding_encode_conversation_is_validated_and_counted_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     class HalfTrained(PackingTaskEncoder):
         def encode_conversation(self, conversation: Any) -> EncodedConversation:
             encoded = super().encode_conversation(conversation)
@@ -153,7 +155,12 @@ def test_an_overriding_encode_conversation_is_validated_and_counted_again() -> N
         enc.preencode_sample(DIALOGUE)
     # the default encoder is not validated twice: its count is the one it made
     plain = encoder(PLAIN, loss_mask_mode="precomputed")
-    assert not plain._revalidate_encoding and enc._revalidate_encoding
+
+    def twice(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("validated twice")
+
+    monkeypatch.setattr(EncodedConversation, "revalidated", twice)
+    assert plain.preencode_sample(DIALOGUE).trainable_tokens == 6
 
 
 def test_one_prefix_renderer_serves_both_chat_template_paths(

@@ -18,8 +18,9 @@ What it reads from the processor (nothing is configured twice):
   ``input_features`` + ``feature_attention_mask``, ...) and the real placeholder expansion,
   which must equal the one the sample was encoded with (else `MediaTokenCountError`).
 
-Each output key becomes one `PackedTensor` row per sample; every key of one media item carries
-the item's provenance, so coupled keys keep equal per-row counts and deduplicate together.
+`ModelProcessor` is a `MediaDecoder`: the loop of `mmpack.energon.decoders.decode_media` makes
+each output key one `PackedTensor` row per sample; every key of one media item carries the
+item's provenance, so coupled keys keep equal per-row counts and deduplicate together.
 """
 
 from __future__ import annotations
@@ -35,11 +36,7 @@ import numpy as np
 from mmpack.energon.chat_template import TemplateMedia
 from mmpack.energon.decoders import DecodedMedia
 from mmpack.energon.media import MEDIA_LOG, MediaHandle, decode_waveform
-from mmpack.errors import (
-    MediaTokenCountError,
-    ModalityConfigError,
-    SampleFormatError,
-)
+from mmpack.errors import MediaTokenCountError, ModalityConfigError, SampleFormatError
 
 __all__ = [
     "AUDIO_TOKEN_RULES",
