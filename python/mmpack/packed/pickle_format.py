@@ -136,9 +136,7 @@ def _written_fields(value: PackedTensor) -> tuple[int, bool]:
         except TypeError:
             raise _unwritable(value, f"dim_to_pack must be an int, got {dim!r}") from None
     if not isinstance(pad, bool):
-        if isinstance(pad, np.bool_) or (
-            isinstance(pad, (int, np.integer)) and int(pad) in (0, 1)
-        ):
+        if isinstance(pad, np.bool_) or (isinstance(pad, (int, np.integer)) and int(pad) in (0, 1)):
             pad = bool(pad)
         else:
             raise _unwritable(value, f"pad_to_max_shape must be a bool, got {pad!r}")
