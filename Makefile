@@ -35,6 +35,12 @@ build: venv  ## build the extension into the venv with the fast optimised profil
 build-release: venv
 	maturin develop --release --locked -q
 
+# The class lists of python/mmpack/errors.py and the error section of _native.pyi come from the
+# error table in rust/py/src/errors.rs; a test fails while they are stale.
+.PHONY: stubs
+stubs: build  ## regenerate the error sections of errors.py and _native.pyi from the built extension
+	PYTHONPATH=dev$${PYTHONPATH:+:$$PYTHONPATH} $(PY) -m mmpack_dev.stubgen
+
 .PHONY: test-rust
 test-rust:
 	cargo test -p mmpack-core --profile $(PROFILE) --locked

@@ -41,8 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 import numpy as np
 import torch
 from mmpack import PackedTensor
-from mmpack.batch import masks
-from mmpack.batch import EncodedSample, PackedBatch, micro_batch, pack_samples
+from mmpack.batch import EncodedSample, PackedBatch, masks, micro_batch, pack_samples
 from mmpack.batch.padded import PaddedBatch, pad_samples
 from reference import batch as ref_batch
 from reference import masks as ref_masks

@@ -68,12 +68,16 @@ def moved_name(module: str, name: str) -> object:
         DeprecationWarning,
         stacklevel=3,
     )
-    return getattr(importlib.import_module(new), name)
+    value = getattr(importlib.import_module(new), name)
+    # bound on the old module: warned once (``from m import n`` looks the name up twice)
+    setattr(sys.modules[module], name, value)
+    return value
 
 
 class _Alias(importlib.abc.Loader):
     def __init__(self, new: str) -> None:
         self.new = new
+        self.spec: importlib.machinery.ModuleSpec | None = None
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
         warnings.warn(
@@ -82,10 +86,15 @@ class _Alias(importlib.abc.Loader):
             DeprecationWarning,
             stacklevel=2,
         )
-        return importlib.import_module(self.new)
+        module = importlib.import_module(self.new)
+        self.spec = module.__spec__
+        return module
 
     def exec_module(self, module: ModuleType) -> None:
-        """Nothing to run: the new module is already imported."""
+        """Nothing to run: the new module is already imported. The import machinery has just set
+        its ``__spec__`` to the alias's; give it back its own (``importlib.reload`` and
+        ``importlib.resources`` read it)."""
+        module.__spec__ = self.spec
 
 
 class _MovedFinder(importlib.abc.MetaPathFinder):

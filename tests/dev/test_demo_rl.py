@@ -54,3 +54,10 @@ def test_demo_rl_compared_class_must_import(capsys: pytest.CaptureFixture[str]) 
     assert "has no attribute 'concat'" in capsys.readouterr().err
     assert rl.main(["--compare-with", "reference.packing:get_packer"]) == 2
     assert "expected a PackedTensor class" in capsys.readouterr().err
+
+
+def test_the_dev_command_says_what_it_runs(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["--help"]) == 0
+    text = capsys.readouterr().out
+    assert "demo sft" in text and "demo rl" in text
+    assert cli_main(["nope"]) == 2

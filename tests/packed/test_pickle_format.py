@@ -143,3 +143,85 @@ def test_a_value_whose_tensors_no_longer_fit_its_layout_is_not_written(protocol:
     got = pickle.loads(pickle.dumps(extra, protocol=protocol))
     assert len(got.tensors) == 2 and got._segment_indices == [0]
     assert torch.equal(got.as_tensor(), torch.ones(2))
+
+
+@pytest.mark.parametrize("protocol", [2, 5])
+def test_numpy_scalars_in_the_fields_are_written_as_int_and_bool(protocol: int) -> None:
+    """``dim_to_pack`` / ``pad_to_max_shape`` given as numpy scalars (or 0 / 1) construct and
+    gather; their pickle loads everywhere, as ``int`` and ``bool``."""
+    import numpy as np
+
+    for dim, pad in ((np.int64(0), np.bool_(False)), (np.int32(0), 1), (0, np.bool_(True))):
+        v = P([torch.ones(2, 3), torch.zeros(1, 3)], dim, pad_to_max_shape=pad)
+        for load in (pickle.loads, nemo_rl.loads):
+            got = load(pickle.dumps(v, protocol=protocol))
+            assert type(got.dim_to_pack) is int and got.dim_to_pack == 0
+            assert type(got.pad_to_max_shape) is bool and got.pad_to_max_shape == bool(pad)
+            assert torch.equal(got.as_tensor(), v.as_tensor())
+
+
+@pytest.mark.parametrize(
+    ("dim", "pad", "match"),
+    [
+        (0.0, False, "dim_to_pack must be an int, got 0.0"),
+        (True, False, "dim_to_pack must be an int, got True"),
+        (0, None, "pad_to_max_shape must be a bool, got None"),
+        (0, 2, "pad_to_max_shape must be a bool, got 2"),
+    ],
+)
+def test_fields_a_pickle_cannot_hold_are_refused_when_written(
+    dim: Any, pad: Any, match: str
+) -> None:
+    """A value whose fields would make its pickle unloadable fails in ``pickle.dumps``, where
+    the writer sees it, not as a "corrupt pickle" in the process that receives it."""
+    from mmpack.errors import LayoutMismatchError
+
+    v = P([torch.ones(2)], dim, pad_to_max_shape=pad)
+    with pytest.raises(LayoutMismatchError, match=match):
+        pickle.dumps(v)
+
+
+def _state_with(extra: dict[Any, Any]) -> bytes:
+    """A payload that restores a PackedTensor with ``extra`` instance attributes (as a hostile
+    writer would make it: mmpack's own writer refuses such a value)."""
+    import copyreg
+
+    state = P([torch.ones(2)], 0).__reduce_ex__(2)[2]
+    state["extra"] = extra
+
+    class Handmade:
+        def __reduce__(self) -> Any:
+            return (copyreg._reconstructor, (P, object, None), state)  # type: ignore[attr-defined]
+
+    return pickle.dumps(Handmade(), protocol=2)
+
+
+def test_a_payload_cannot_replace_the_class_methods() -> None:
+    """``extra`` (mmpack's state) or a NeMo-RL ``__dict__`` state naming a method or property
+    would make ``as_tensor()`` (or ``len``) return what the payload chose: refused on load,
+    through the restricted loader and plain ``pickle`` alike, and refused when written."""
+    import collections
+
+    from mmpack.errors import LayoutError, LayoutMismatchError
+
+    for name in ("as_tensor", "iter_logical_segments", "__deepcopy__", "deduplication_enabled"):
+        data = _state_with({name: collections.OrderedDict})
+        for load in (pickle.loads, nemo_rl.loads):
+            with pytest.raises(LayoutError, match=rf"attribute '{name}' would hide"):
+                load(data)
+    nemo_state = {
+        "tensors": [torch.ones(2)],
+        "dim_to_pack": 0,
+        "pad_to_max_shape": False,
+        "as_tensor": collections.OrderedDict,
+    }
+    with pytest.raises(LayoutError, match="attribute 'as_tensor' would hide"):
+        P.__new__(P).__setstate__(nemo_state)
+    v = P([torch.ones(2)], 0)
+    v.__dict__["as_tensor"] = collections.OrderedDict
+    with pytest.raises(LayoutMismatchError, match="'as_tensor' would hide"):
+        pickle.dumps(v)
+    # ordinary extra attributes still travel
+    w = P([torch.ones(2)], 0)
+    w.note = "kept"  # type: ignore[attr-defined]
+    assert nemo_rl.loads(pickle.dumps(w)).note == "kept"

@@ -33,12 +33,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 from mmpack import PackedTensor, packing
-from mmpack.batch import masks
-from mmpack.packed import payload
-from mmpack.batch import EncodedSample, pack_samples
+from mmpack.batch import EncodedSample, masks, pack_samples
 from mmpack.compat import nemo_rl
 from mmpack.compat.nemo_rl import packing as nemo_rl_packing
 from mmpack.errors import MmpackError, UnsafePickleError
+from mmpack.packed import payload
 
 #: what hostile input may raise: mmpack's typed errors (all ValueError) and the builtin types
 #: NeMo-RL-compatible paths document

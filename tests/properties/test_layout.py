@@ -217,3 +217,31 @@ def test_earlier_module_paths_import_the_new_module_with_a_warning(old: str) -> 
 def test_development_modules_that_left_the_package_say_where(gone: str) -> None:
     with pytest.raises(ModuleNotFoundError, match="mmpack_dev"):
         importlib.import_module(gone)
+
+
+def test_an_old_path_leaves_the_new_module_as_it_was() -> None:
+    """Importing through an old path must not rename the new module or take its spec: a
+    later ``importlib.reload`` runs the real module again, and ``importlib.resources`` still
+    sees a package."""
+    import importlib.resources
+    import sys
+
+    new = importlib.import_module("mmpack.safe_load")
+    spec = new.__spec__
+    sys.modules.pop("mmpack.compat.safe_unpickle", None)
+    with pytest.warns(DeprecationWarning):
+        importlib.import_module("mmpack.compat.safe_unpickle")
+    assert new.__spec__ is spec and new.__name__ == "mmpack.safe_load"
+    assert importlib.resources.files("mmpack.safe_load").joinpath("loader.py").is_file()
+    masks = importlib.import_module("mmpack.batch.masks")
+    sys.modules.pop("mmpack.masks", None)
+    with pytest.warns(DeprecationWarning):
+        importlib.import_module("mmpack.masks")
+    original = masks.validate
+    masks.validate = None  # type: ignore[assignment]
+    try:
+        assert importlib.reload(masks) is masks and masks.validate is not None
+        assert masks.__name__ == "mmpack.batch.masks"
+    finally:
+        if masks.validate is None:
+            masks.validate = original

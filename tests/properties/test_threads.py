@@ -16,8 +16,7 @@ import numpy as np
 import pytest
 import torch
 from mmpack import PackedTensor, packing
-from mmpack.batch import masks
-from mmpack.batch import EncodedSample, pack_samples
+from mmpack.batch import EncodedSample, masks, pack_samples
 from mmpack.compat.nemo_rl import packing as nemo_rl_packing
 from mmpack.errors import LossMaskError
 

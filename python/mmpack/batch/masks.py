@@ -14,7 +14,6 @@ flags or the token count), ``TurnStructureError`` (turn markers missing or unpai
 
 from __future__ import annotations
 
-import re
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
 
@@ -30,6 +29,7 @@ from mmpack._coerce import (
     sample_name,
     token_count,
 )
+from mmpack.batch import templates
 from mmpack.errors import ChatTemplateError
 
 __all__ = [
@@ -126,14 +126,9 @@ def turn_spans(
     return flat.reshape(-1, 4)
 
 
-_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
-
-
 def _template_of(tokenizer: Any) -> str:
-    template = getattr(tokenizer, "chat_template", None)
-    if isinstance(template, dict):  # named templates: use the default one
-        template = template.get("default")
-    if not isinstance(template, str) or not template:
+    template = templates.template_text(tokenizer)
+    if template is None:
         raise ChatTemplateError(
             f"tokenizer {type(tokenizer).__name__} has no chat template (set chat_template)"
         )
@@ -175,7 +170,7 @@ def from_chat_template(
     msgs = [dict(m) for m in messages]
     if not msgs:
         raise ChatTemplateError("from_chat_template needs at least one message")
-    if _GENERATION_TAG.search(template) and roles == ["assistant"]:
+    if templates.has_generation_markers(template) and roles == ["assistant"]:
         out = tokenizer.apply_chat_template(
             msgs, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
         )
@@ -189,8 +184,7 @@ def from_chat_template(
 
     lengths: list[int] = []
     prev: list[int] = []
-    for k in range(1, len(msgs) + 1):
-        text = tokenizer.apply_chat_template(msgs[:k], tokenize=False)
+    for k, text in enumerate(templates.render_prefixes(tokenizer, msgs), start=1):
         ids = _ids_of(tokenizer(text, add_special_tokens=False))
         if ids[: len(prev)] != prev:
             raise ChatTemplateError(

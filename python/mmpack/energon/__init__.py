@@ -1,10 +1,11 @@
 """mmpack on Megatron-Energon: a packing task encoder, lazy cookers for two source formats,
 startup validation, failure handling and a synthetic dataset writer.
 
-Modules: `task_encoder` (`PackingTaskEncoder`, the Energon hooks), `conversation` (the default
-chat markup), `policy` (skips, consecutive-skip guard, finite failure tolerance), `config`,
-`cookers`, `media`, `samples`, `stats`, `loader`, `validation`, `synthetic` (a dataset writer)
-and `testing` (helpers for tests). Batches are built by `mmpack.batch` (packs) and
+Modules: `task_encoder` (`PackingTaskEncoder`, the Energon hooks), `conversation_encoder` (how
+a conversation becomes tokens, chosen at construction: `chat_template` or `markup`), `decoders`
+(the media-decode loop: built-in decoding or the model's `processors`), `policy` (skips,
+consecutive-skip guard, finite failure tolerance), `config`, `cookers`, `media`, `samples`,
+`stats`, `loader` and `validation`. Batches are built by `mmpack.batch` (packs) and
 `mmpack.batch.padded` (the no-packing rows).
 
 Needs the extra ``mmpack[energon]`` (``megatron-energon`` and ``torch``).

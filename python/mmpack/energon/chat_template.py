@@ -1,4 +1,5 @@
-"""Conversations encoded with the tokenizer's own chat template (``apply_chat_template``).
+"""`ChatTemplateEncoder`: the conversation encoder of the tokenizer's own chat template
+(``apply_chat_template``).
 
 A cooked `Conversation` becomes Hugging Face messages (text parts as ``{"type": "text"}``
 items, media parts as ``{"type": "image" | "video" | "audio"}`` items; with a model's
@@ -32,32 +33,27 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import functools
-import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
-from mmpack.batch import masks
-from mmpack.energon.conversation import MEDIA_TOKENS
+from mmpack.batch import templates
+from mmpack.energon.markup import MEDIA_TOKENS
 from mmpack.energon.media import MediaHandle, MediaSettings
 from mmpack.energon.samples import Conversation, EncodedConversation
 from mmpack.errors import ChatTemplateError, EnergonConfigError, SampleFormatError
 
 __all__ = [
     "TEMPLATE_MARKUP_ROLE",
+    "ChatTemplateEncoder",
     "TemplateMedia",
-    "encode_with_chat_template",
-    "has_chat_template",
-    "has_generation_markers",
     "hf_messages",
     "markup_media",
 ]
 
 #: Role of the spans of a message that lie outside its generation block (roles mode).
 TEMPLATE_MARKUP_ROLE = "<template-markup>"
-
-_GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,22 +101,6 @@ def _repeat_placeholder(ids: Mapping[str, int], kind: str, count: int) -> list[i
     return [ids[kind]] * count
 
 
-def has_chat_template(tokenizer: Any) -> bool:
-    template = getattr(tokenizer, "chat_template", None)
-    if isinstance(template, dict):
-        template = template.get("default")
-    return isinstance(template, str) and bool(template)
-
-
-def has_generation_markers(tokenizer: Any) -> bool:
-    """Whether the tokenizer's chat template marks assistant output with
-    ``{% generation %}``."""
-    template = getattr(tokenizer, "chat_template", None)
-    if isinstance(template, dict):
-        template = template.get("default")
-    return isinstance(template, str) and bool(_GENERATION_TAG.search(template))
-
-
 def hf_messages(conversation: Conversation, *, list_content: bool = False) -> list[dict[str, Any]]:
     """The conversation as Hugging Face chat messages (see the module docstring); with
     `list_content` every message's content is a list of items (what multimodal templates
@@ -152,24 +132,12 @@ def _fast_backend(tokenizer: Any) -> Any:
     return backend
 
 
-def _render(tokenizer: Any, messages: list[dict[str, Any]], key: str) -> str:
-    try:
-        text = tokenizer.apply_chat_template(messages, tokenize=False)
-    except Exception as err:
-        raise ChatTemplateError(
-            f"sample {key!r}: the chat template failed to render ({type(err).__name__}: {err})"
-        ) from err
-    if not isinstance(text, str):
-        raise ChatTemplateError(f"sample {key!r}: the chat template rendered {type(text)}")
-    return text
-
-
-def _message_bounds(tokenizer: Any, messages: list[dict[str, Any]], key: str) -> list[int]:
-    """Character offsets where each message's rendering starts (and the total length)."""
+def _message_bounds(renderings: list[str], key: str) -> list[int]:
+    """Character offsets where each message's rendering starts (and the total length), from
+    the renderings of each message prefix."""
     bounds = [0]
     prev = ""
-    for k in range(1, len(messages) + 1):
-        text = _render(tokenizer, messages[:k], key)
+    for k, text in enumerate(renderings, start=1):
         if not text.startswith(prev):
             raise ChatTemplateError(
                 f"sample {key!r}: the chat template is not prefix-stable: the rendering of "
@@ -197,132 +165,162 @@ def _generation_mask(
     return np.asarray(out["assistant_masks"], dtype=np.bool_).reshape(-1)
 
 
-def encode_with_chat_template(
-    conversation: Conversation,
-    *,
-    tokenizer: Any,
-    media: TemplateMedia,
-    train_roles: Sequence[str],
-    loss_mask_mode: str | None,
-) -> EncodedConversation:
-    """Tokens, message spans (roles mode) or loss mask (``"precomputed"``) and media of one
-    conversation rendered by the tokenizer's chat template (module docstring). Raises
-    `ChatTemplateError` when the rendering cannot be mapped back onto the messages and parts,
-    `SampleFormatError` for sample problems (a part's flags contradicting its role in roles
-    mode, placeholders that do not match the media)."""
-    key = str(conversation.__key__)
-    turns = conversation.turns
-    if not turns:
-        raise SampleFormatError(f"sample {key!r} has no turns")
-    messages = hf_messages(conversation, list_content=media.list_content)
-    bounds = _message_bounds(tokenizer, messages, key)
-    full = _render(tokenizer, messages, key)
-    encoding = _fast_backend(tokenizer).encode(full, add_special_tokens=False)
-    ids = list(encoding.ids)
-    offsets = list(encoding.offsets)
-    n = len(ids)
+class ChatTemplateEncoder:
+    """Encodes conversations with the tokenizer's chat template (module docstring; a
+    `ConversationEncoder`). Whether the template marks generation blocks is read once, here.
 
-    message_of = np.empty(n, dtype=np.int64)
-    for i, (start, end) in enumerate(offsets):
-        m = bisect.bisect_right(bounds, start) - 1
-        m = min(max(m, 0), len(turns) - 1)
-        if end > bounds[m + 1]:
-            raise ChatTemplateError(
-                f"sample {key!r}: token {i} ({full[start:end]!r}) straddles the end of message "
-                f"{m}'s rendering; message boundaries do not fall on token boundaries"
-            )
-        message_of[i] = m
+    Args:
+        tokenizer: a Hugging Face fast tokenizer with a chat template.
+        media: how media placeholders expand (`markup_media`, or a model processor's
+            ``template_media``).
+        train_roles, loss_mask_mode: as in `PackingEncoderConfig`.
+    """
 
-    in_generation = (
-        _generation_mask(tokenizer, messages, ids, key)
-        if has_generation_markers(tokenizer)
-        else np.zeros(n, dtype=np.bool_)
-    )
-    if in_generation.shape[0] != n:
-        raise ChatTemplateError(
-            f"sample {key!r}: the template's assistant mask has {in_generation.shape[0]} "
-            f"entries for {n} tokens"
+    #: the ``conversation_format`` this encoder implements
+    format = "chat_template"
+
+    def __init__(
+        self,
+        *,
+        tokenizer: Any,
+        media: TemplateMedia,
+        train_roles: Sequence[str],
+        loss_mask_mode: str | None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.media = media
+        self.train_roles = tuple(train_roles)
+        self.loss_mask_mode = loss_mask_mode
+        #: the template marks assistant output with ``{% generation %}``
+        self.uses_generation_blocks = templates.has_generation_markers(
+            templates.template_text(tokenizer)
         )
 
-    precomputed = loss_mask_mode == "precomputed"
-    if not precomputed:
-        _check_flags_match_roles(conversation, train_roles)
-    placeholder_kind = {int(v): k for k, v in media.placeholder_ids.items()}
-    trainable = np.zeros(n, dtype=np.bool_)
-    markup_span = np.zeros(n, dtype=np.bool_)  # roles mode: outside the generation block
-    placeholders: list[tuple[int, MediaHandle]] = []
-    for m, turn in enumerate(turns):
-        lo = int(np.searchsorted(message_of, m, side="left"))
-        hi = int(np.searchsorted(message_of, m, side="right"))
-        by_role = turn.role in train_roles
-        flags = [p.trainable for p in turn.parts if p.media is None and p.trainable is not None]
-        marker = (any(flags) if flags else by_role) if precomputed else by_role
-        uses_generation = bool(in_generation[lo:hi].any())
-        token_flag = np.full(hi - lo, marker, dtype=np.bool_)
-        if uses_generation:
-            token_flag &= in_generation[lo:hi]
-            markup_span[lo:hi] = ~in_generation[lo:hi]
-        cursor = bounds[m]
-        end = bounds[m + 1]
-        part_tokens: list[int] = []
-        for p_idx, part in enumerate(turn.parts):
-            if part.media is not None:
-                want = media.placeholder_ids.get(part.media.kind)
-                if want is None:
-                    raise SampleFormatError(
-                        f"sample {key!r}: {part.media.kind} media {part.media.key!r} has no "
-                        "placeholder token configured"
-                    )
-                t = _next_token(ids, offsets, lo, hi, cursor, int(want))
-                if t is None:
-                    raise ChatTemplateError(
-                        f"sample {key!r}: message {m}: the chat template rendered no "
-                        f"{part.media.kind} placeholder for media {part.media.key!r}"
-                    )
-                placeholders.append((t, part.media))
-                part_tokens.append(t)
-                cursor = offsets[t][1]
-                if precomputed:
-                    token_flag[t - lo] = by_role if not flags else False
-                continue
-            if not part.text:
-                continue
-            where = full.find(part.text, cursor, end)
-            text = part.text
-            if where < 0:
-                text = part.text.strip()
-                where = full.find(text, cursor, end) if text else -1
-            if where < 0:
+    def encode(self, conversation: Conversation) -> EncodedConversation:
+        """Tokens, message spans (roles mode) or loss mask (``"precomputed"``) and media of one
+        conversation rendered by the chat template, validated
+        (`EncodedConversation.validated_from`). Raises `ChatTemplateError` when the rendering
+        cannot be mapped back onto the messages and parts, `SampleFormatError` for sample
+        problems (a part's flags contradicting its role in roles mode, placeholders that do
+        not match the media)."""
+        tokenizer = self.tokenizer
+        media = self.media
+        train_roles = self.train_roles
+        key = str(conversation.__key__)
+        turns = conversation.turns
+        if not turns:
+            raise SampleFormatError(f"sample {key!r} has no turns")
+        messages = hf_messages(conversation, list_content=media.list_content)
+        renderings = templates.render_prefixes(tokenizer, messages, sample_id=key)
+        bounds = _message_bounds(renderings, key)
+        full = renderings[-1]
+        encoding = _fast_backend(tokenizer).encode(full, add_special_tokens=False)
+        ids = list(encoding.ids)
+        offsets = list(encoding.offsets)
+        n = len(ids)
+
+        message_of = np.empty(n, dtype=np.int64)
+        for i, (start, end) in enumerate(offsets):
+            m = bisect.bisect_right(bounds, start) - 1
+            m = min(max(m, 0), len(turns) - 1)
+            if end > bounds[m + 1]:
                 raise ChatTemplateError(
-                    f"sample {key!r}: message {m} part {p_idx}: the chat template does not "
-                    "render the part's text verbatim, so its tokens cannot be located"
+                    f"sample {key!r}: token {i} ({full[start:end]!r}) straddles the end of message "
+                    f"{m}'s rendering; message boundaries do not fall on token boundaries"
                 )
-            if precomputed:
-                flag = by_role if part.trainable is None else part.trainable
-                for t in range(lo, hi):
-                    start = offsets[t][0]
-                    if where <= start < where + len(text):
-                        token_flag[t - lo] = flag and (in_generation[t] or not uses_generation)
-            cursor = where + len(text)
-        filled = set(part_tokens)
-        extra = [t for t in range(lo, hi) if ids[t] in placeholder_kind and t not in filled]
-        if extra:
-            raise SampleFormatError(
-                f"sample {key!r}: message {m} holds {len(extra)} media placeholder token(s) "
-                f"({placeholder_kind[ids[extra[0]]]}) that no media item of the sample fills "
-                "(a placeholder written in the text?)"
+            message_of[i] = m
+
+        in_generation = (
+            _generation_mask(tokenizer, messages, ids, key)
+            if self.uses_generation_blocks
+            else np.zeros(n, dtype=np.bool_)
+        )
+        if in_generation.shape[0] != n:
+            raise ChatTemplateError(
+                f"sample {key!r}: the template's assistant mask has {in_generation.shape[0]} "
+                f"entries for {n} tokens"
             )
-        trainable[lo:hi] = token_flag
-    return _expand(
-        conversation,
-        ids,
-        trainable,
-        message_of,
-        markup_span,
-        placeholders,
-        media,
-        precomputed=precomputed,
-    )
+
+        precomputed = self.loss_mask_mode == "precomputed"
+        if not precomputed:
+            _check_flags_match_roles(conversation, train_roles)
+        placeholder_kind = {int(v): k for k, v in media.placeholder_ids.items()}
+        trainable = np.zeros(n, dtype=np.bool_)
+        markup_span = np.zeros(n, dtype=np.bool_)  # roles mode: outside the generation block
+        placeholders: list[tuple[int, MediaHandle]] = []
+        for m, turn in enumerate(turns):
+            lo = int(np.searchsorted(message_of, m, side="left"))
+            hi = int(np.searchsorted(message_of, m, side="right"))
+            by_role = turn.role in train_roles
+            flags = [p.trainable for p in turn.parts if p.media is None and p.trainable is not None]
+            marker = (any(flags) if flags else by_role) if precomputed else by_role
+            uses_generation = bool(in_generation[lo:hi].any())
+            token_flag = np.full(hi - lo, marker, dtype=np.bool_)
+            if uses_generation:
+                token_flag &= in_generation[lo:hi]
+                markup_span[lo:hi] = ~in_generation[lo:hi]
+            cursor = bounds[m]
+            end = bounds[m + 1]
+            part_tokens: list[int] = []
+            for p_idx, part in enumerate(turn.parts):
+                if part.media is not None:
+                    want = media.placeholder_ids.get(part.media.kind)
+                    if want is None:
+                        raise SampleFormatError(
+                            f"sample {key!r}: {part.media.kind} media {part.media.key!r} has no "
+                            "placeholder token configured"
+                        )
+                    t = _next_token(ids, offsets, lo, hi, cursor, int(want))
+                    if t is None:
+                        raise ChatTemplateError(
+                            f"sample {key!r}: message {m}: the chat template rendered no "
+                            f"{part.media.kind} placeholder for media {part.media.key!r}"
+                        )
+                    placeholders.append((t, part.media))
+                    part_tokens.append(t)
+                    cursor = offsets[t][1]
+                    if precomputed:
+                        token_flag[t - lo] = by_role if not flags else False
+                    continue
+                if not part.text:
+                    continue
+                where = full.find(part.text, cursor, end)
+                text = part.text
+                if where < 0:
+                    text = part.text.strip()
+                    where = full.find(text, cursor, end) if text else -1
+                if where < 0:
+                    raise ChatTemplateError(
+                        f"sample {key!r}: message {m} part {p_idx}: the chat template does not "
+                        "render the part's text verbatim, so its tokens cannot be located"
+                    )
+                if precomputed:
+                    flag = by_role if part.trainable is None else part.trainable
+                    for t in range(lo, hi):
+                        start = offsets[t][0]
+                        if where <= start < where + len(text):
+                            token_flag[t - lo] = flag and (in_generation[t] or not uses_generation)
+                cursor = where + len(text)
+            filled = set(part_tokens)
+            extra = [t for t in range(lo, hi) if ids[t] in placeholder_kind and t not in filled]
+            if extra:
+                raise SampleFormatError(
+                    f"sample {key!r}: message {m} holds {len(extra)} media placeholder token(s) "
+                    f"({placeholder_kind[ids[extra[0]]]}) that no media item of the sample fills "
+                    "(a placeholder written in the text?)"
+                )
+            trainable[lo:hi] = token_flag
+        return _expand(
+            conversation,
+            ids,
+            trainable,
+            message_of,
+            markup_span,
+            placeholders,
+            media,
+            train_roles=train_roles,
+            precomputed=precomputed,
+        )
 
 
 def _next_token(
@@ -354,6 +352,7 @@ def _expand(
     placeholders: list[tuple[int, MediaHandle]],
     media: TemplateMedia,
     *,
+    train_roles: Sequence[str],
     precomputed: bool,
 ) -> EncodedConversation:
     """Replace each placeholder token by its expansion, carrying the placeholder's flag and
@@ -388,7 +387,6 @@ def _expand(
         loss_mask = flags.view(np.int8)
         message_lengths = np.bincount(message_of[origin], minlength=len(turns)).astype(np.int64)
         roles = [t.role for t in turns]
-        masks.validate(loss_mask, len(tokens), sample_id=conversation.__key__)
     else:
         # spans: consecutive tokens of one message and one kind (in / outside the generation
         # block), each with its role
@@ -401,8 +399,9 @@ def _expand(
             TEMPLATE_MARKUP_ROLE if span_key[s] % 2 else turns[int(span_key[s] // 2)].role
             for s in starts
         ]
-    return EncodedConversation.derive_from(
+    return EncodedConversation.validated_from(
         conversation,
+        train_roles=train_roles,
         token_ids=tokens,
         loss_mask=loss_mask,
         message_lengths=message_lengths,

@@ -93,7 +93,7 @@ class PackingEncoderConfig:
             share one stored segment wherever they come from).
         conversation_format: how a conversation becomes tokens: ``"chat_template"`` (the
             tokenizer's own template, `mmpack.energon.chat_template`), ``"markup"`` (mmpack's
-            markup, `mmpack.energon.conversation`, for tokenizers built for it) or ``"auto"``:
+            markup, `mmpack.energon.markup`, for tokenizers built for it) or ``"auto"``:
             the template when the tokenizer has one, else the markup when the tokenizer has
             every markup token, else refused at construction.
         batch_size: packs per batch.

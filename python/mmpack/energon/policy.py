@@ -4,9 +4,10 @@ clear error instead of training on nothing or looping forever.
 * Policy skips: a sample that is well-formed but useless or too big raises Energon's
   ``SkipSample`` and is counted per reason. `check_conversation` runs before the sample is
   encoded (so it reads no media, not even a header): no turns, ends on a user turn.
-  `check_sample` runs on the encoded sample: nothing trainable, longer than the capacity, more
-  media than the media capacity. Malformed samples raise typed errors (`SampleFormatError`,
-  `LossMaskError`), which Energon's failure tolerance handles.
+  `check_sample` runs once on the encoded sample and reads what the encoder counted: nothing
+  trainable, longer than the capacity, more media than the media capacity. Malformed samples
+  raise typed errors (`SampleFormatError`; `LossMaskError` from the encoder), which Energon's
+  failure tolerance handles.
 * Undeclared modalities (`check_conversation`): media of a kind the config does not declare in
   ``modalities`` stops the job at the first such sample (`UndeclaredModalityError`, raised as
   Energon's ``FatalSampleError``), naming the kind and the setting to change; with
@@ -25,12 +26,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
-import numpy as np
 from megatron.energon import SkipSample, stateless
 from megatron.energon.errors import FatalSampleError
 from megatron.energon.task_encoder.base import get_failure_tolerance, get_stateless
 
-from mmpack.batch import masks
 from mmpack.energon.config import KNOWN_MODALITIES, PackingEncoderConfig
 from mmpack.energon.samples import Conversation, EncodedConversation
 from mmpack.energon.stats import LoaderStats
@@ -205,22 +204,17 @@ def check_sample(
     encoded: EncodedConversation,
     skip: SkipFn,
 ) -> None:
-    """Raise ``skip(...)`` for an encoded sample that is bad by policy, `SampleFormatError` for
-    one that is too big under ``on_oversize="error"``, or `LossMaskError` for a bad precomputed
-    mask. (`check_conversation` has already checked the conversation's structure.)"""
+    """Raise ``skip(...)`` for an encoded sample that is bad by policy, or `SampleFormatError`
+    for one that is too big under ``on_oversize="error"``. Reads what the conversation encoder
+    counted (`EncodedConversation.trainable_tokens`; its mask inputs were validated there);
+    `check_conversation` has already checked the conversation's structure."""
     key = conversation.__key__
-    train_roles = config.train_roles
-    if encoded.loss_mask is not None:
-        # checked here, per sample: a bad mask found by the batch builder would fail the
-        # whole pack it was selected into
-        masks.validate(encoded.loss_mask, encoded.num_tokens, sample_id=key)
-        trainable = int(np.count_nonzero(encoded.loss_mask))
-    else:
-        mask = masks.from_roles(
-            encoded.message_lengths, encoded.message_roles or [], train_roles, sample_id=key
+    if encoded.trainable_tokens is None:
+        raise SampleFormatError(
+            f"sample {key!r} has no trainable-token count: it was not made by "
+            "EncodedConversation.validated_from, so its mask inputs were never validated"
         )
-        trainable = int(np.count_nonzero(mask))
-    if trainable == 0:
+    if encoded.trainable_tokens == 0:
         raise skip(conversation, "empty_trainable_mask", "no token is trainable")
     if encoded.num_tokens > config.capacity:
         detail = f"{encoded.num_tokens} tokens > capacity {config.capacity}"

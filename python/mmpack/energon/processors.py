@@ -18,8 +18,9 @@ What it reads from the processor (nothing is configured twice):
   ``input_features`` + ``feature_attention_mask``, ...) and the real placeholder expansion,
   which must equal the one the sample was encoded with (else `MediaTokenCountError`).
 
-Each output key becomes one `PackedTensor` row per sample; every key of one media item carries
-the item's provenance, so coupled keys keep equal per-row counts and deduplicate together.
+`ModelProcessor` is a `MediaDecoder`: the loop of `mmpack.energon.decoders.decode_media` makes
+each output key one `PackedTensor` row per sample; every key of one media item carries the
+item's provenance, so coupled keys keep equal per-row counts and deduplicate together.
 """
 
 from __future__ import annotations
@@ -33,18 +34,13 @@ from typing import Any
 import numpy as np
 
 from mmpack.energon.chat_template import TemplateMedia
+from mmpack.energon.decoders import DecodedMedia
 from mmpack.energon.media import MEDIA_LOG, MediaHandle, decode_waveform
-from mmpack.errors import (
-    MediaTokenCountError,
-    ModalityConfigError,
-    SampleFormatError,
-    UndeclaredModalityError,
-)
+from mmpack.errors import MediaTokenCountError, ModalityConfigError, SampleFormatError
 
 __all__ = [
     "AUDIO_TOKEN_RULES",
     "ModelProcessor",
-    "ProcessedMedia",
     "is_model_processor",
 ]
 
@@ -100,15 +96,6 @@ def is_model_processor(processor: Any) -> bool:
     return isinstance(processor, ProcessorMixin)
 
 
-@dataclasses.dataclass
-class ProcessedMedia:
-    """The processor's real output for one media item: its tensors (first dimension: this
-    item's rows, e.g. patches) and the token ids it puts in place of the placeholder."""
-
-    values: dict[str, Any]
-    token_ids: list[int]
-
-
 @dataclasses.dataclass(frozen=True)
 class _Expansion:
     prefix: tuple[int, ...]
@@ -121,7 +108,8 @@ class _Expansion:
 
 
 class ModelProcessor:
-    """A Hugging Face processor called for real (see the module docstring).
+    """A Hugging Face processor called for real (see the module docstring); a `MediaDecoder`
+    of `mmpack.energon.decoders`.
 
     Args:
         processor: a ``transformers.ProcessorMixin`` with its tokenizer.
@@ -324,7 +312,7 @@ class ModelProcessor:
             return decode_waveform(data, rate, handle)
         raise SampleFormatError(f"sample {handle.sample_key!r}: unknown media kind {handle.kind!r}")
 
-    def process(self, handle: MediaHandle) -> ProcessedMedia:
+    def process(self, handle: MediaHandle) -> DecodedMedia:
         """Decode `handle` and run the processor on it."""
         item = self.decode(handle)
         try:
@@ -334,17 +322,18 @@ class ModelProcessor:
                 f"sample {handle.sample_key!r}: the processor {self.name} failed on "
                 f"{handle.kind} {handle.key!r} ({type(err).__name__}: {err})"
             ) from err
-        return ProcessedMedia(values, ids)
+        MEDIA_LOG.decodes.append(handle.identity)
+        return DecodedMedia(values, ids)
 
     def check_tokens(
-        self, sample_key: str, handle: MediaHandle, processed: ProcessedMedia, encoded: int
+        self, sample_key: str, handle: MediaHandle, decoded: DecodedMedia, encoded: int
     ) -> None:
         """The real expansion must be the one the sample was encoded with (`encoded`
         placeholder tokens); raises `MediaTokenCountError`."""
         expected = self.expansion(handle.kind, encoded)
-        if processed.token_ids != expected:
+        if decoded.token_ids != expected:
             token_id = self._expansion(handle.kind).token_id
-            real = sum(1 for t in processed.token_ids if t == token_id)
+            real = sum(1 for t in decoded.token_ids if t == token_id)
             raise MediaTokenCountError(
                 f"sample {sample_key!r}: {handle.kind} {handle.key!r} ({handle.identity}) "
                 f"takes {real} tokens through {self.name}, but the sample was encoded with "
@@ -361,52 +350,6 @@ class ModelProcessor:
             expansion=self.expansion,
             list_content=True,
         )
-
-    def decode_media(
-        self,
-        key: str,
-        media: Sequence[MediaHandle],
-        media_tokens: Sequence[int] | None,
-        *,
-        modalities: Sequence[str],
-        packed_tensor_type: Any,
-        by_content: bool,
-    ) -> tuple[dict[str, Any], int]:
-        """One `PackedTensor` row per output key of each configured modality (empty when the
-        sample has none), and the number of items decoded. An item referenced twice is
-        decoded and processed once; every key of an item carries its provenance."""
-        cls = packed_tensor_type
-        rows: dict[str, list[Any]] = {k: [] for kind in modalities for k in self.output_keys(kind)}
-        done: dict[bytes, ProcessedMedia] = {}
-        for index, handle in enumerate(media):
-            if handle.kind not in modalities:
-                raise UndeclaredModalityError(
-                    f"sample {key!r}: {handle.kind} media {handle.key!r} reached decoding, "
-                    f"but modalities is {list(modalities)}"
-                )
-            provenance = handle.content_provenance() if by_content else handle.provenance
-            processed = done.get(provenance)
-            if processed is None:
-                processed = done[provenance] = self.process(handle)
-                MEDIA_LOG.decodes.append(handle.identity)
-            encoded = media_tokens[index] if media_tokens is not None else self.count(handle)
-            self.check_tokens(key, handle, processed, encoded)
-            for name in self.output_keys(handle.kind):
-                value = processed.values.get(name)
-                if value is None:
-                    raise SampleFormatError(
-                        f"sample {key!r}: the processor {self.name} returned no {name!r} for "
-                        f"{handle.kind} {handle.key!r}"
-                    )
-                rows[name].append(cls([value], 0, _segment_provenance=[provenance]))
-        out: dict[str, Any] = {}
-        for name, items in rows.items():
-            out[name] = (
-                cls.merge_segments(items)
-                if items
-                else cls([], 0, _row_offsets=[0, 0], _segment_indices=[], _segment_provenance=[])
-            )
-        return out, len(done)
 
     def _kwargs_for(self, kind: str) -> dict[str, Any]:
         key = {"image": "images_kwargs", "video": "videos_kwargs", "audio": "audio_kwargs"}[kind]

@@ -10,10 +10,13 @@ The batch fields (``labels``, ``loss_mask``, ``token_mask``, ...) are those of t
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 from megatron.energon import Batch, Sample, edataclass
 
+from mmpack.batch import masks
 from mmpack.energon.media import MediaHandle
 
 if TYPE_CHECKING:
@@ -49,7 +52,10 @@ class Conversation(Sample):
 
 @edataclass
 class EncodedConversation(Sample):
-    """Tokens and mask inputs of one conversation; media still lazy until `postencode_sample`."""
+    """Tokens and mask inputs of one conversation; media still lazy until `postencode_sample`.
+
+    Made by `validated_from`, which checks the mask inputs and counts the trainable tokens once,
+    so the policy reads `trainable_tokens` instead of rebuilding the mask."""
 
     token_ids: Any  # np.ndarray[int64]
     #: one 0/1 per token, aligned with `token_ids` (the batch's ``token_mask``), or None
@@ -61,12 +67,70 @@ class EncodedConversation(Sample):
     #: tokens each item of `media` was encoded with (its placeholder expansion), which the
     #: decoded item must take too; None: recounted from each item's metadata or header
     media_tokens: list[int] | None = None
+    #: tokens trained on, counted by `validated_from` from the validated mask (or the roles in
+    #: roles mode); None: not made by `validated_from`
+    trainable_tokens: int | None = None
     #: filled by postencode_sample: {"pixel_values": PackedTensor (one row)}, or None
     decoded_media: dict[str, Any] | None = None
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @classmethod
+    def validated_from(
+        cls,
+        source: Sample,
+        *,
+        train_roles: Sequence[str],
+        token_ids: Any,
+        loss_mask: Any,
+        message_lengths: Any,
+        message_roles: list[str] | None,
+        media: list[MediaHandle],
+        media_units: int,
+        media_tokens: list[int] | None = None,
+    ) -> EncodedConversation:
+        """The encoding of `source` (its keys carried over), with its mask inputs validated:
+        a precomputed `loss_mask` by `mmpack.batch.masks.validate` (`LossMaskError`), or the
+        message spans by `mmpack.batch.masks.from_roles` (`MessageSpanError`); both name the
+        sample. Checked per sample here: a bad mask found by the batch builder would fail the
+        whole pack the sample was selected into."""
+        key = source.__key__
+        if loss_mask is not None:
+            masks.validate(loss_mask, len(token_ids), sample_id=key)
+            trainable = int(np.count_nonzero(loss_mask))
+        else:
+            by_roles = masks.from_roles(
+                message_lengths, message_roles or [], train_roles, sample_id=key
+            )
+            trainable = int(np.count_nonzero(by_roles))
+        return cls.derive_from(
+            source,
+            token_ids=token_ids,
+            loss_mask=loss_mask,
+            message_lengths=message_lengths,
+            message_roles=message_roles,
+            media=media,
+            media_units=media_units,
+            trainable_tokens=trainable,
+            media_tokens=media_tokens,
+        )
+
+    def revalidated(self, train_roles: Sequence[str]) -> EncodedConversation:
+        """This encoding validated and counted again (after code outside the conversation
+        encoder, such as a subclass's ``encode_conversation``, may have edited it)."""
+        return EncodedConversation.validated_from(
+            self,
+            train_roles=train_roles,
+            token_ids=self.token_ids,
+            loss_mask=self.loss_mask,
+            message_lengths=self.message_lengths,
+            message_roles=self.message_roles,
+            media=self.media,
+            media_units=self.media_units,
+            media_tokens=self.media_tokens,
+        )
 
 
 @edataclass

@@ -2,11 +2,13 @@
 batches with `mmpack.batch.pack_samples`.
 
 Pipeline per worker (Energon 7.4): cooker (lazy `Conversation`) -> ``preencode_sample`` (checks
-that read no media: undeclared modalities, turn structure; then tokens, mask inputs and the
-remaining policy checks; users override `encode_conversation`) -> ``select_samples_to_pack``
-(every buffered sample lands in exactly one pack) -> ``postencode_sample`` (decodes the media of
-that selected sample only, and checks that each item takes the tokens it was encoded with) ->
-``pack_selected_samples`` (one `PackedBatch`) -> ``batch``.
+that read no media: undeclared modalities, turn structure; then the conversation encoder chosen
+at construction (`mmpack.energon.conversation_encoder`) makes tokens and validated mask inputs,
+and the policy reads its counts; users override `encode_conversation`) ->
+``select_samples_to_pack`` (every buffered sample lands in exactly one pack) ->
+``postencode_sample`` (decodes the media of that selected sample only, through the decoder chosen
+at construction (`mmpack.energon.decoders`), and checks that each item takes the tokens it was
+encoded with) -> ``pack_selected_samples`` (one `PackedBatch`) -> ``batch``.
 
 Checkpointing: every hook Energon re-runs on restore is ``@stateless``; randomness may only come
 from ``@stateless(restore_seeds=True)`` (``select_samples_to_pack`` derives the packer's seed from
@@ -33,11 +35,12 @@ from mmpack import PackedTensor
 from mmpack.batch import EncodedSample, PackedBatch, pack_samples
 from mmpack.batch.options import BatchOptions
 from mmpack.batch.padded import PaddedBatch, pad_samples
-from mmpack.energon import conversation as markup
-from mmpack.energon.chat_template import TemplateMedia, encode_with_chat_template, markup_media
 from mmpack.energon.config import PackingEncoderConfig
+from mmpack.energon.conversation_encoder import ConversationEncoder, build_conversation_encoder
 from mmpack.energon.cookers import default_cookers
-from mmpack.energon.media import MEDIA_KEYS, MediaHandle, MediaSettings
+from mmpack.energon.decoders import BuiltinDecoder, MediaDecoder, decode_media
+from mmpack.energon.markup import tokenize
+from mmpack.energon.media import MediaSettings
 from mmpack.energon.policy import (
     ConsecutiveSkipGuard,
     check_conversation,
@@ -51,15 +54,9 @@ from mmpack.energon.validation import (
     check_chat_template,
     check_model_processor,
     check_optional_dependencies,
-    resolve_conversation_format,
     resolve_media_settings,
 )
-from mmpack.errors import (
-    BatchOptionError,
-    EnergonConfigError,
-    MediaTokenCountError,
-    UndeclaredModalityError,
-)
+from mmpack.errors import BatchOptionError, EnergonConfigError
 from mmpack.packing import pack
 
 __all__ = ["PackingTaskEncoder"]
@@ -137,26 +134,28 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
         else:
             self.media_settings = resolve_media_settings(processor, cfg.modalities)
             check_optional_dependencies(cfg.modalities)
+        #: decodes the media of the selected samples (`postencode_sample`)
+        self.media_decoder: MediaDecoder = (
+            self.model_processor
+            if self.model_processor is not None
+            else BuiltinDecoder(self.media_settings)
+        )
         self.tokenizer = tokenizer
-        self.conversation_format = resolve_conversation_format(
-            cfg.conversation_format,
+        #: turns conversations into tokens: chosen here, never per sample (None without a
+        #: tokenizer: a subclass overrides `encode_conversation`)
+        self.conversation_encoder: ConversationEncoder | None = build_conversation_encoder(
+            cfg,
             tokenizer,
-            cfg.modalities,
-            model_processor=self.model_processor is not None,
+            model_processor=self.model_processor,
+            media_settings=self.media_settings,
+            tokenize=self.tokenize,
         )
-        markup_format = self.conversation_format == "markup"
-        self._token_ids = (
-            markup.special_token_ids(tokenizer, cfg.modalities)
-            if tokenizer is not None and markup_format
-            else {}
+        # what an overriding encode_conversation returns may have been edited after the
+        # conversation encoder validated it, so it is validated again
+        self._revalidate_encoding = (
+            type(self).encode_conversation is not PackingTaskEncoder.encode_conversation
         )
-        self._template_media: TemplateMedia | None = None
-        if tokenizer is not None and not markup_format:
-            self._template_media = (
-                self.model_processor.template_media(cfg.modalities)
-                if self.model_processor is not None
-                else markup_media(tokenizer, self.media_settings, cfg.modalities)
-            )
+        if self.conversation_format == "chat_template":
             check_chat_template(self.encode_conversation, cfg.modalities)
         self._probe_packer()
         self._check_ignore_index()
@@ -211,6 +210,14 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
                 "the loss; use a negative value such as -100"
             )
 
+    @property
+    def conversation_format(self) -> str:
+        """``"chat_template"`` or ``"markup"``: the format of the conversation encoder (the
+        configured value when there is no tokenizer)."""
+        if self.conversation_encoder is None:
+            return self.config.conversation_format
+        return self.conversation_encoder.format
+
     def dataset_options(self) -> dict[str, int]:
         """The packing options of ``get_train_dataset`` / ``get_val_dataset`` that must match
         this encoder's config: ``get_train_dataset(path, **encoder.dataset_options(), ...)``."""
@@ -223,35 +230,20 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
 
     def encode_conversation(self, conversation: Conversation) -> EncodedConversation:
         """Tokens, per-message lengths/roles and (in ``"precomputed"`` mode) the loss mask of one
-        conversation: rendered by the tokenizer's chat template
-        (`mmpack.energon.chat_template`), or in the markup of `mmpack.energon.conversation`
-        (``conversation_format``). Media stays lazy: only its token count is used here."""
-        if self.tokenizer is None:
+        conversation, validated, with its trainable tokens counted: by the conversation encoder
+        chosen at construction (`mmpack.energon.chat_template.ChatTemplateEncoder` or
+        `mmpack.energon.markup.MarkupEncoder`, per ``conversation_format``). Media stays lazy:
+        only its token count is used here."""
+        if self.conversation_encoder is None:
             raise EnergonConfigError(
                 "PackingTaskEncoder needs a tokenizer (or a subclass that overrides "
                 "encode_conversation)"
             )
-        cfg = self.config
-        if self._template_media is not None:
-            return encode_with_chat_template(
-                conversation,
-                tokenizer=self.tokenizer,
-                media=self._template_media,
-                train_roles=cfg.train_roles,
-                loss_mask_mode=cfg.loss_mask_mode,
-            )
-        return markup.encode_conversation(
-            conversation,
-            token_ids=self._token_ids,
-            tokenize=self.tokenize,
-            media_settings=self.media_settings,
-            train_roles=cfg.train_roles,
-            loss_mask_mode=cfg.loss_mask_mode,
-        )
+        return self.conversation_encoder.encode(conversation)
 
     def tokenize(self, texts: list[str]) -> list[list[int]]:
         """Token ids of each text, without special tokens (one batched call)."""
-        return markup.tokenize(self.tokenizer, texts)
+        return tokenize(self.tokenizer, texts)
 
     def _skip(self, sample: Any, reason: str, detail: str) -> SkipSample:
         """Count a policy skip of `sample` and return the ``SkipSample`` to raise; raises
@@ -266,8 +258,9 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
 
     def check_policy(self, conversation: Conversation, encoded: EncodedConversation) -> None:
         """Raise `SkipSample` (counted per reason) for samples that are bad by policy, or
-        `SampleFormatError` / `LossMaskError` for malformed ones (a precomputed mask is validated
-        here). Override to add rules; call ``self._skip(sample, reason, detail)``."""
+        `SampleFormatError` for ones too big under ``on_oversize="error"``; reads the counts of
+        `encoded` (never rebuilds its mask). Override to add rules; call
+        ``self._skip(sample, reason, detail)``."""
         check_sample(self.config, conversation, encoded, self._skip)
 
     def plan_packs(self, lengths: np.ndarray, media: np.ndarray | None, *, seed: int) -> Any:
@@ -314,6 +307,8 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
     def preencode_sample(self, sample: Conversation) -> EncodedConversation:
         self.check_conversation(sample)
         encoded = self.encode_conversation(sample)
+        if self._revalidate_encoding:
+            encoded = encoded.revalidated(self.config.train_roles)
         self.check_policy(sample, encoded)
         self._skip_guard.passed()
         self.stats.add("encoded")
@@ -355,74 +350,28 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
             message_roles=sample.message_roles,
             media=sample.media,
             media_units=sample.media_units,
+            trainable_tokens=sample.trainable_tokens,
             media_tokens=sample.media_tokens,
             decoded_media=decoded,
         )
 
     def decode_media(self, sample: EncodedConversation) -> dict[str, Any]:
-        """One `PackedTensor` row per configured modality (empty row when the sample has none).
-        Each media item carries its provenance (from its source, or its bytes under
-        ``media_identity: content``), so ``merge_segments`` stores a media item referenced
-        twice once; it is also decoded once. Raises `MediaTokenCountError` when a decoded item
+        """One `PackedTensor` row per output key of each configured modality, decoded by the
+        decoder chosen at construction (`mmpack.energon.decoders.decode_media`): an item
+        referenced twice is decoded and stored once; raises `MediaTokenCountError` when an item
         takes another number of tokens than the sample was encoded with."""
-        cls = self.packed_tensor_type
-        by_content = self.config.media_identity == "content"
-        if self.model_processor is not None:
-            processed, n_decoded = self.model_processor.decode_media(
-                sample.__key__,
-                sample.media,
-                sample.media_tokens,
-                modalities=self.config.modalities,
-                packed_tensor_type=cls,
-                by_content=by_content,
-            )
-            if n_decoded:
-                self.stats.add("decoded", n_decoded)
-            return processed
-        rows: dict[str, list[Any]] = {kind: [] for kind in self.config.modalities}
-        decoded: dict[bytes, Any] = {}
-        for index, handle in enumerate(sample.media):
-            items = rows.get(handle.kind)
-            if items is None:
-                raise UndeclaredModalityError(
-                    f"sample {sample.__key__!r}: {handle.kind} media {handle.key!r} reached "
-                    f"decoding, but modalities is {list(self.config.modalities)}"
-                )
-            provenance = handle.content_provenance() if by_content else handle.provenance
-            tensor = decoded.get(provenance)
-            if tensor is None:
-                tensor = decoded[provenance] = handle.decode(self.media_settings)
-            self._check_token_count(sample, index, handle, tensor)
-            items.append(cls([tensor], 0, _segment_provenance=[provenance]))
-        out: dict[str, Any] = {}
-        for kind, items in rows.items():
-            if items:
-                out[MEDIA_KEYS[kind]] = cls.merge_segments(items)
-            else:
-                out[MEDIA_KEYS[kind]] = cls(
-                    [], 0, _row_offsets=[0, 0], _segment_indices=[], _segment_provenance=[]
-                )
-        if decoded:
-            self.stats.add("decoded", len(decoded))
-        return out
-
-    def _check_token_count(
-        self, sample: EncodedConversation, index: int, handle: MediaHandle, value: Any
-    ) -> None:
-        """The decoded item must take the tokens its placeholder was expanded to: a wrong
-        declared size would otherwise shift every later media item of the pack against its
-        tokens."""
-        settings = self.media_settings
-        counts = sample.media_tokens
-        encoded = counts[index] if counts is not None else handle.num_tokens(settings)
-        real = handle.decoded_tokens(value, settings)
-        if real != encoded:
-            raise MediaTokenCountError(
-                f"sample {sample.__key__!r}: {handle.kind} {handle.key!r} ({handle.identity}) "
-                f"decodes to {real} tokens, but the sample was encoded with {encoded} tokens "
-                f"for it ({_declared_size(handle)}); the sample is not packed. Fix the size "
-                "in the metadata, or leave it out so it is read from the file's header"
-            )
+        decoded, n_decoded = decode_media(
+            self.media_decoder,
+            sample.__key__,
+            sample.media,
+            sample.media_tokens,
+            modalities=self.config.modalities,
+            packed_tensor_type=self.packed_tensor_type,
+            by_content=self.config.media_identity == "content",
+        )
+        if n_decoded:
+            self.stats.add("decoded", n_decoded)
+        return decoded
 
     def to_encoded_sample(self, sample: EncodedConversation) -> EncodedSample:
         """The `mmpack.batch.EncodedSample` of one (decoded) conversation."""
@@ -485,12 +434,3 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
             token_slots=int(padded.input_ids.numel()),
             padded=padded,
         )
-
-
-def _declared_size(handle: MediaHandle) -> str:
-    meta = handle.meta
-    if handle.kind == "image" and "width" in meta and "height" in meta:
-        return f"declared {meta['width']}x{meta['height']}"
-    if handle.kind == "audio" and "duration" in meta:
-        return f"declared duration {meta['duration']!r} s"
-    return "size from the file's header"

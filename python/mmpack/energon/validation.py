@@ -13,8 +13,8 @@ import importlib.util
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from mmpack.energon.chat_template import has_chat_template
-from mmpack.energon.conversation import special_token_ids
+from mmpack.batch import templates
+from mmpack.energon.markup import special_token_ids
 from mmpack.energon.media import MediaSettings
 from mmpack.energon.processors import ModelProcessor
 from mmpack.errors import EnergonConfigError, ModalityConfigError
@@ -99,7 +99,7 @@ def resolve_conversation_format(
     cannot encode conversations that way."""
     if tokenizer is None:
         return requested
-    templated = has_chat_template(tokenizer)
+    templated = templates.template_text(tokenizer) is not None
     if requested == "chat_template" and not templated:
         raise EnergonConfigError(
             f"conversation_format is 'chat_template' but the tokenizer "

@@ -43,6 +43,8 @@ from __future__ import annotations
 
 import copyreg
 import math
+import operator
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -97,18 +99,61 @@ def reduce(value: PackedTensor, group_class: type[PackedTensor]) -> tuple[Any, .
             lay.provenance_blob(),
         )
     extra = {k: v for k, v in value.__dict__.items() if k not in FIELDS} or None
+    if extra:
+        _refuse_shadowing(type(value), extra, lambda why: _unwritable(value, why))
+    dim_to_pack, pad_to_max_shape = _written_fields(value)
     op = THREADS.op()
     plan = plan_segments(tensors, op, group_class)
     state = {
         STATE_KEY: 1,
-        "dim_to_pack": value.dim_to_pack,
-        "pad_to_max_shape": value.pad_to_max_shape,
+        "dim_to_pack": dim_to_pack,
+        "pad_to_max_shape": pad_to_max_shape,
         "layout": layout_state,
         "segments": plan.segments,
         "extra": extra,
     }
     THREADS.begin_value(value, state, plan, op)
     return (copyreg._reconstructor, (type(value), object, None), state)  # type: ignore[attr-defined]
+
+
+def _unwritable(value: PackedTensor, why: str) -> LayoutMismatchError:
+    return LayoutMismatchError(
+        f"cannot pickle {type(value).__name__} at {id(value):#x} ({len(value)} rows): {why}; "
+        "the pickle would not load"
+    )
+
+
+def _written_fields(value: PackedTensor) -> tuple[int, bool]:
+    """``dim_to_pack`` and ``pad_to_max_shape`` as the state holds them: an int and a bool.
+    numpy integers and booleans (and 0 / 1) are written as such; anything else is refused here,
+    where the writer can see it, not on load in another process."""
+    dim, pad = value.dim_to_pack, value.pad_to_max_shape
+    if not isinstance(dim, int) or isinstance(dim, bool):
+        try:
+            if isinstance(dim, (bool, np.bool_)):
+                raise TypeError
+            dim = operator.index(dim)
+        except TypeError:
+            raise _unwritable(value, f"dim_to_pack must be an int, got {dim!r}") from None
+    if not isinstance(pad, bool):
+        if isinstance(pad, np.bool_) or (isinstance(pad, (int, np.integer)) and int(pad) in (0, 1)):
+            pad = bool(pad)
+        else:
+            raise _unwritable(value, f"pad_to_max_shape must be a bool, got {pad!r}")
+    return int(dim), pad
+
+
+def _refuse_shadowing(cls: type, attrs: dict[Any, Any], error: Callable[[str], Exception]) -> None:
+    """Instance attributes may not hide the class's methods or properties: restored from a
+    payload, ``{"as_tensor": OrderedDict}`` would make ``as_tensor()`` return whatever the
+    payload chose. ``error(why)`` is raised for the first offender."""
+    for key in attrs:
+        if not isinstance(key, str):
+            raise error(f"attribute name {key!r} is not a string")
+        if key in FIELDS or key in RAW_FIELDS:
+            continue
+        if hasattr(cls, key):
+            raise error(f"attribute {key!r} would hide {cls.__name__}.{key}")
 
 
 def _check_fits(value: PackedTensor, lay: PackedLayout, indices: np.ndarray | None, n: int) -> None:
@@ -149,6 +194,7 @@ def restore(obj: PackedTensor, state: Any) -> None:
         isinstance(lay, PackedLayout) and lay.n_physical == len(state["tensors"])
     ):
         raise LayoutError(f"{CORRUPT}: _layout does not fit tensors")
+    _refuse_shadowing(type(obj), state, _corrupt)
     entries = sum(len(v) for k in RAW_FIELDS if isinstance(v := state.get(k), list))
     charge(64 * entries, "a NeMo-RL row layout")
     d = obj.__dict__
@@ -156,6 +202,10 @@ def restore(obj: PackedTensor, state: Any) -> None:
     if any(k in d for k in RAW_FIELDS) or "_layout" not in d:
         d.pop("_layout", None)
         obj._adopt_raw()
+
+
+def _corrupt(why: str) -> LayoutError:
+    return LayoutError(f"{CORRUPT}: {why}")
 
 
 def _check_fields(state: dict[str, Any], what: str) -> None:
@@ -314,6 +364,8 @@ def _restore_fields(obj: PackedTensor, state: dict[str, Any]) -> None:
         isinstance(extra, dict) and FIELDS.isdisjoint(extra) and not set(RAW_FIELDS) & extra.keys()
     ):
         raise LayoutError(f"{CORRUPT}: extra attributes must be a dict of non-field names")
+    if extra:
+        _refuse_shadowing(type(obj), extra, _corrupt)
     obj.tensors = tensors
     obj.dim_to_pack = fields["dim_to_pack"]
     obj.pad_to_max_shape = fields["pad_to_max_shape"]

@@ -103,13 +103,21 @@ impl Options {
 /// by build_pack and concat_packs, or made from a batch's fields for check_pack.
 #[pyclass(frozen, module = "mmpack._native", get_all)]
 pub struct ThdLayout {
+    /// The tokens, pad_token_id on padding: int64 [T].
     input_ids: Py<PyArray1<i64>>,
+    /// Shifted labels, ignore_index where nothing is trained: int64 [T].
     labels: Py<PyArray1<i64>>,
+    /// Aligned with labels: the label at each position is trained on: bool [T].
     loss_mask: Py<PyArray1<bool>>,
+    /// Aligned with input_ids: the token at each position is trainable: bool [T].
     token_mask: Py<PyArray1<bool>>,
+    /// Positions, restarting at 0 per sample: int64 [T].
     position_ids: Py<PyArray1<i64>>,
+    /// Sample offsets without padding: int32 [n + 1].
     cu_seqlens: Py<PyArray1<i32>>,
+    /// Sample offsets with padding: int32 [n + 1].
     cu_seqlens_padded: Py<PyArray1<i32>>,
+    /// The longest padded sample.
     max_seqlen: usize,
 }
 
@@ -163,12 +171,19 @@ impl ThdLayout {
 /// build_padded, or made from a batch's fields for check_padded.
 #[pyclass(frozen, module = "mmpack._native", get_all)]
 pub struct PaddedLayout {
+    /// The tokens, pad_token_id on padding: int64 [rows, width].
     input_ids: Py<PyArray2<i64>>,
+    /// Shifted labels, ignore_index where nothing is trained: int64 [rows, width].
     labels: Py<PyArray2<i64>>,
+    /// Aligned with labels: the label at each position is trained on: bool [rows, width].
     loss_mask: Py<PyArray2<bool>>,
+    /// Aligned with input_ids: the token at each position is trainable: bool [rows, width].
     token_mask: Py<PyArray2<bool>>,
+    /// Positions, restarting at 0 in every row: int64 [rows, width].
     position_ids: Py<PyArray2<i64>>,
+    /// Position < the row's length: bool [rows, width].
     attention_mask: Py<PyArray2<bool>>,
+    /// Tokens per row: int64 [rows].
     lengths: Py<PyArray1<i64>>,
 }
 

@@ -1,78 +1,243 @@
-//! Typed Python exceptions for `CoreError`, from one table.
+//! Every mmpack exception class, declared once in `error_table!` below.
 //!
-//! `exceptions!` below is the only list of the native exception classes: it defines each class
-//! (`create_exception!`), registers it on the module and exports the names, in table order, as
-//! `_native.ERROR_NAMES` (which `mmpack.errors` and its test check against). A user catches a
-//! whole area through its base (`PackedTensorError`, `PackingError`, `BatchError`), all of them
-//! `MmpackError`s, which are `ValueError`s. Adding an error touches the core enum, the mapping
-//! in `From<PyCoreError> for PyErr` and, for a new class, this table.
+//! Each row gives a class's name, its bases (earlier rows of the table, or builtins such as
+//! `TypeError` and `pickle.PicklingError` for code written against NeMo-RL or the stdlib), its
+//! area and its docstring. Module init creates the classes in table order with
+//! `type(name, bases, namespace)` under `mmpack._native`, so Rust raises any of them
+//! (`ErrorClass::X.new_err`) and the Python-only raisers import them from `mmpack.errors`. The
+//! table is also exported as data, `_native.ERROR_TABLE`, from which `python -m
+//! mmpack_dev.stubgen` writes the class lists of `mmpack/errors.py` and `_native.pyi`.
+//! A user catches a whole area through its base; every class is an `MmpackError`, a
+//! `ValueError`.
+//!
+//! A new class is one row here, then `make stubs`. If Rust raises it for a core error, that error
+//! is a `CoreError` variant, and the exhaustive match in `From<PyCoreError> for PyErr` names its
+//! class.
 use mmpack_core::CoreError;
-use pyo3::create_exception;
-use pyo3::exceptions::{PyAssertionError, PyIndexError, PyValueError};
+use pyo3::exceptions::{PyAssertionError, PyImportError, PyIndexError, PyRuntimeError};
 use pyo3::prelude::*;
-use pyo3::types::PyTuple;
+use pyo3::sync::PyOnceLock;
+use pyo3::types::{PyDict, PyList, PyTuple, PyType};
 
-/// `Name(Base): "doc";` entries: the class, its base and its docstring.
-macro_rules! exceptions {
-    ($($name:ident($base:ty): $doc:literal;)+) => {
-        $(create_exception!(mmpack._native, $name, $base, $doc);)+
+const MODULE: &str = "mmpack._native";
 
-        /// The names of the native exception classes, in table order.
-        pub const ERROR_NAMES: &[&str] = &[$(stringify!($name)),+];
+/// One row of the error table.
+struct ErrorSpec {
+    class: ErrorClass,
+    name: &'static str,
+    /// Names of earlier rows, or builtins: `TypeError` (module `builtins`) or `module.Name`.
+    bases: &'static [&'static str],
+    area: &'static str,
+    doc: &'static str,
+}
 
-        pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-            let py = m.py();
-            $(m.add(stringify!($name), py.get_type::<$name>())?;)+
-            m.add("ERROR_NAMES", PyTuple::new(py, ERROR_NAMES)?)?;
-            Ok(())
+/// `Name("Base", ...) in "area": "doc";` rows.
+macro_rules! error_table {
+    ($($name:ident($($base:literal),+) in $area:literal: $doc:literal;)+) => {
+        /// Every mmpack exception class, named as in Python, in table order.
+        // The variants are the Python class names, which all end in `Error`.
+        #[allow(clippy::enum_variant_names)]
+        #[derive(Clone, Copy, Debug)]
+        pub enum ErrorClass {
+            $($name),+
         }
+
+        const ERROR_TABLE: &[ErrorSpec] = &[$(ErrorSpec {
+            class: ErrorClass::$name,
+            name: stringify!($name),
+            bases: &[$($base),+],
+            area: $area,
+            doc: $doc,
+        }),+];
     };
 }
 
-exceptions! {
+error_table! {
     // --- shared ---
-    MmpackError(PyValueError): "Base class of every mmpack error on bad input (a ValueError); \
-        the message names the sample, argument or index at fault.";
-    IndexOverflowError(MmpackError): "A length, count, offset or token id does not fit where it \
-        must go (int64, int32 cu_seqlens, or memory).";
+    MmpackError("ValueError") in "shared": "Base class of every mmpack error on bad input (a \
+        ValueError); the message names the sample, argument or index at fault.";
+    IndexOverflowError("MmpackError") in "shared": "A length, count, offset or token id does not \
+        fit where it must go (int64, int32 cu_seqlens, or memory).";
     // --- PackedTensor ---
-    PackedTensorError(MmpackError): "Base class of the PackedTensor errors: row layout, \
-        provenance, shards, segments and output buffers.";
-    LayoutError(PackedTensorError): "A PackedTensor row mapping breaks a rule: row offsets \
-        start at 0, never decrease and end at the number of segment references; segment \
-        indices name existing physical segments; one provenance id per physical segment; \
+    PackedTensorError("MmpackError") in "PackedTensor": "Base class of the PackedTensor errors: \
+        row layout, provenance, shards, segments and output buffers.";
+    LayoutError("PackedTensorError") in "PackedTensor": "A PackedTensor row mapping breaks a rule: \
+        row offsets start at 0, never decrease and end at the number of segment references; \
+        segment indices name existing physical segments; one provenance id per physical segment; \
         repeat counts are non-negative.";
-    ProvenanceError(LayoutError): "A provenance entry is not a 16-byte id (uuid.uuid4().bytes).";
-    ShardError(PackedTensorError): "Rows cannot be split into the requested number of equal \
-        shards.";
+    ProvenanceError("LayoutError") in "PackedTensor": "A provenance entry is not a 16-byte id \
+        (uuid.uuid4().bytes).";
+    LayoutMismatchError("LayoutError", "pickle.PicklingError") in "PackedTensor": "A \
+        ``PackedTensor`` is pickled while its ``tensors`` list no longer fits its row layout (a \
+        segment appended to or removed from ``tensors`` of a deduplicated value, or a segment \
+        index past the end of the list): its pickle would not load. The message names the value \
+        and both counts. Also a ``pickle.PicklingError``.";
+    ShardError("PackedTensorError") in "PackedTensor": "Rows cannot be split into the requested \
+        number of equal shards.";
+    OutBufferError("PackedTensorError", "TypeError") in "PackedTensor": "The ``out=`` buffer given \
+        to ``PackedTensor.as_tensor`` does not fit the result: wrong shape, dtype or device, not \
+        contiguous, or overlapping the segments being gathered. Both a ``ValueError`` and a \
+        ``TypeError``.";
+    PinMemoryUnavailableError("PackedTensorError", "RuntimeError") in "PackedTensor":
+        "``pin_memory=True`` was asked for but this torch build has no accelerator to pin host \
+        memory for (page-locked memory needs CUDA).";
+    SegmentMismatchError("PackedTensorError", "RuntimeError") in "PackedTensor": "The segments of \
+        a ``PackedTensor`` cannot be concatenated by ``as_tensor``: they live on different devices \
+        (or on ``meta`` while data is needed), have different ranks, or differ in a dimension \
+        other than ``dim_to_pack`` without ``pad_to_max_shape``. The message names the devices or \
+        shapes. Also a ``RuntimeError``, which NeMo-RL (``torch.cat``) raises there.";
     // --- packing ---
-    PackingError(MmpackError): "Base class of the sequence-packing errors: lengths, bin \
-        budgets, bin counts and packing arguments.";
-    ItemTooLargeError(PackingError): "An item's length (or media count) exceeds the bin \
-        capacity; the message names the item.";
-    InvalidLengthError(PackingError): "A length is zero or negative, or a media count is \
-        negative; the message names the item.";
-    PackingArgumentError(PackingError): "A packing argument is out of range or inconsistent \
-        with the others.";
-    BinCountError(PackingError): "min_bins / bins_multiple_of ask for more bins than there are \
-        items.";
+    PackingError("MmpackError") in "packing": "Base class of the sequence-packing errors: lengths, \
+        bin budgets, bin counts and packing arguments.";
+    ItemTooLargeError("PackingError") in "packing": "An item's length (or media count) exceeds the \
+        bin capacity; the message names the item.";
+    InvalidLengthError("PackingError") in "packing": "A length is zero or negative, or a media \
+        count is negative; the message names the item.";
+    PackingArgumentError("PackingError") in "packing": "A packing argument is out of range or \
+        inconsistent with the others.";
+    BinCountError("PackingError") in "packing": "min_bins / bins_multiple_of ask for more bins \
+        than there are items.";
+    PackingDtypeError("PackingError", "TypeError") in "packing": "Lengths (or media counts) given \
+        to ``mmpack.packing`` are not integers: floats, bools, strings or objects. Both a \
+        ``ValueError`` and a ``TypeError``.";
     // --- batch ---
-    BatchError(MmpackError): "Base class of the errors of building a packed batch: samples, \
-        loss masks, turn markers, media and batch options.";
-    LossMaskError(BatchError): "A loss mask breaks a rule: length equals the token count, \
-        values only 0 and 1, at least one trainable token when required.";
-    MessageSpanError(LossMaskError): "Message / fragment lengths and roles are inconsistent \
-        with each other or with the token count.";
-    TurnStructureError(BatchError): "Turn markers are missing or not in user/assistant pairs.";
-    MissingFieldError(BatchError): "A sample lacks a field its loss-mask mode needs.";
-    EmptySampleError(BatchError): "A sample (or a batch) has no tokens.";
-    InvalidTokenError(BatchError): "A token id is negative.";
-    BatchOptionError(BatchError): "A batch-builder option is out of range or breaks the \
-        batch's fields (a negative pad_token_id, an ignore_index that is a token id of the \
+    BatchError("MmpackError") in "batch": "Base class of the errors of building a packed batch: \
+        samples, loss masks, turn markers, media and batch options.";
+    LossMaskError("BatchError") in "batch": "A loss mask breaks a rule: length equals the token \
+        count, values only 0 and 1, at least one trainable token when required.";
+    MessageSpanError("LossMaskError") in "batch": "Message / fragment lengths and roles are \
+        inconsistent with each other or with the token count.";
+    TurnStructureError("BatchError") in "batch": "Turn markers are missing or not in \
+        user/assistant pairs.";
+    MissingFieldError("BatchError") in "batch": "A sample lacks a field its loss-mask mode \
+        needs.";
+    EmptySampleError("BatchError") in "batch": "A sample (or a batch) has no tokens.";
+    InvalidTokenError("BatchError") in "batch": "A token id is negative.";
+    BatchOptionError("BatchError") in "batch": "A batch-builder option is out of range or breaks \
+        the batch's fields (a negative pad_token_id, an ignore_index that is a token id of the \
         batch, a pack longer than pad_to_length).";
-    BatchLayoutError(BatchError): "The fields of a batch disagree with each other (a \
-        PackedBatch or PaddedBatch built by hand, or packs that cannot form one micro-batch); \
-        the message names the field, the sample and the position.";
+    BatchLayoutError("BatchError") in "batch": "The fields of a batch disagree with each other (a \
+        PackedBatch or PaddedBatch built by hand, or packs that cannot form one micro-batch); the \
+        message names the field, the sample and the position.";
+    BatchMediaError("BatchError") in "batch": "The media of one key cannot be merged across the \
+        samples of a pack (for example different ``dim_to_pack``); the message names the key and \
+        the samples.";
+    ChatTemplateError("BatchError") in "batch": "A chat template cannot give token ids and a loss \
+        mask: the tokenizer has no template, the conversation is empty, or the template is not \
+        prefix-stable (per-message boundaries are unknown).";
+    // --- energon ---
+    EnergonDataError("MmpackError") in "energon": "Base class of the Megatron-Energon \
+        integration's errors: encoder configuration, modalities, sample formats and skipped \
+        samples.";
+    EnergonConfigError("EnergonDataError") in "energon": "A `PackingEncoderConfig` (or a loader \
+        option) is invalid: an unknown or retired field, a value out of range (a failure tolerance \
+        of 0), or a checkpoint that does not fit the loader.";
+    ModalityConfigError("EnergonDataError") in "energon": "A configured modality is not fully \
+        supported by the processor / feature-extractor settings; the message names every missing \
+        setting. Raised at construction, before any sample is read.";
+    SampleFormatError("EnergonDataError") in "energon": "A raw sample cannot be cooked or encoded \
+        (malformed JSON, a media placeholder without a manifest entry, a missing media key); the \
+        message names the sample.";
+    MediaTokenCountError("EnergonDataError") in "energon": "A decoded media item takes a different \
+        number of tokens than the sample was encoded with (its manifest or fragment metadata \
+        declares a wrong size or duration). The message names the sample, the item and both \
+        counts; the sample is counted as failed, never packed with its media shifted against its \
+        placeholder tokens.";
+    UndeclaredModalityError("EnergonDataError") in "energon": "A sample holds media of a kind the \
+        encoder's config does not declare in ``modalities``. The message names the kind and the \
+        setting to change (``modalities``, or ``on_undeclared_media: skip`` to skip and count such \
+        samples instead).";
+    TooManySkippedError("EnergonDataError") in "energon": "Too many consecutive samples were \
+        skipped by policy. Energon waits forever when every sample is skipped, so the encoder \
+        stops the job instead; the message gives counts per reason.";
+    // --- safe_load ---
+    PickleSecurityError("MmpackError", "pickle.UnpicklingError") in "safe_load": "Base class of \
+        the refusals of ``mmpack.compat.nemo_rl.loads`` / ``load``: a pickle that is unsafe or not \
+        readable. Also a ``pickle.UnpicklingError``, so code that catches that keeps working.";
+    UnsafePickleError("PickleSecurityError") in "safe_load": "A pickle handed to \
+        ``mmpack.compat.nemo_rl.loads`` / ``load`` references a global that a PackedTensor payload \
+        never needs (for example ``os.system``); the message names it.";
+    CorruptPickleError("PickleSecurityError") in "safe_load": "``mmpack.compat.nemo_rl.loads`` / \
+        ``load`` got bytes that are not a readable pickle or ``torch.save`` archive (truncated, \
+        bit-flipped, inconsistent length fields or tensor records); the original error is chained \
+        as ``__cause__``.";
+    PickleTooLargeError("PickleSecurityError") in "safe_load": "``mmpack.compat.nemo_rl.loads`` / \
+        ``load`` would need more memory than a payload of that size may cost: by default 32 times \
+        its size plus 64 MiB, or the caller's ``max_bytes=``. Refused before the memory is \
+        allocated; the message gives the payload's size and the bound.";
+}
+
+/// The classes made at module init, indexed by `ErrorClass`.
+static CLASSES: PyOnceLock<Vec<Py<PyType>>> = PyOnceLock::new();
+
+impl ErrorClass {
+    /// The exception of this class with message `msg`.
+    pub fn new_err(self, msg: String) -> PyErr {
+        Python::attach(
+            |py| match CLASSES.get(py).and_then(|c| c.get(self as usize)) {
+                Some(class) => PyErr::from_type(class.bind(py).clone(), msg),
+                // Only reachable before module init has finished, which raises nothing.
+                None => PyRuntimeError::new_err(format!(
+                    "{self:?} raised before {MODULE} was initialised: {msg}"
+                )),
+            },
+        )
+    }
+}
+
+/// A base named in the table: an earlier row's class, or a builtin.
+fn resolve_base<'py>(
+    py: Python<'py>,
+    name: &str,
+    made: &[Bound<'py, PyType>],
+) -> PyResult<Bound<'py, PyAny>> {
+    if let Some(row) = ERROR_TABLE.iter().position(|spec| spec.name == name) {
+        return made.get(row).map(|c| c.clone().into_any()).ok_or_else(|| {
+            PyImportError::new_err(format!(
+                "error table: {name} is used as a base before its row"
+            ))
+        });
+    }
+    let (module, attr) = name.rsplit_once('.').unwrap_or(("builtins", name));
+    py.import(module)?.getattr(attr)
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    let py = m.py();
+    let type_type = py.get_type::<PyType>();
+    let mut made: Vec<Bound<'_, PyType>> = Vec::with_capacity(ERROR_TABLE.len());
+    let rows = PyList::empty(py);
+    for (row, spec) in ERROR_TABLE.iter().enumerate() {
+        if spec.class as usize != row {
+            return Err(PyImportError::new_err(format!(
+                "error table: {} is out of order",
+                spec.name
+            )));
+        }
+        let bases = spec
+            .bases
+            .iter()
+            .map(|base| resolve_base(py, base, &made))
+            .collect::<PyResult<Vec<_>>>()?;
+        let namespace = PyDict::new(py);
+        namespace.set_item("__doc__", spec.doc)?;
+        namespace.set_item("__module__", MODULE)?;
+        let class = type_type
+            .call1((spec.name, PyTuple::new(py, bases)?, namespace))?
+            .cast_into::<PyType>()?;
+        m.add(spec.name, &class)?;
+        made.push(class);
+        rows.append((
+            spec.name,
+            PyTuple::new(py, spec.bases)?,
+            spec.area,
+            spec.doc,
+        ))?;
+    }
+    m.add("ERROR_TABLE", PyTuple::new(py, rows)?)?;
+    CLASSES
+        .set(py, made.into_iter().map(Bound::unbind).collect())
+        .map_err(|_| PyImportError::new_err(format!("{MODULE} initialised twice")))
 }
 
 /// Newtype so `?` turns a `CoreError` into the right Python exception.
@@ -86,47 +251,50 @@ impl From<CoreError> for PyCoreError {
 
 impl From<PyCoreError> for PyErr {
     fn from(err: PyCoreError) -> Self {
+        use ErrorClass as E;
         let msg = err.0.to_string();
         match err.0 {
             // --- shared ---
-            CoreError::IndexOverflow { .. } => IndexOverflowError::new_err(msg),
+            CoreError::IndexOverflow { .. } => E::IndexOverflowError.new_err(msg),
             // --- PackedTensor ---
             CoreError::OffsetsStart
             | CoreError::OffsetsDecreasing { .. }
             | CoreError::OffsetsEnd { .. }
             | CoreError::SegmentIndexOutOfRange { .. }
             | CoreError::ProvenanceLength { .. }
-            | CoreError::Repeats { .. } => LayoutError::new_err(msg),
-            CoreError::ProvenanceEntry { .. } => ProvenanceError::new_err(msg),
+            | CoreError::Repeats { .. } => E::LayoutError.new_err(msg),
+            CoreError::ProvenanceEntry { .. } => E::ProvenanceError.new_err(msg),
             // NeMo-RL raises the builtins here.
             CoreError::RowOutOfRange { .. } => PyIndexError::new_err(msg),
             CoreError::ConcatIncompatible { .. } | CoreError::FlattenedRows { .. } => {
                 PyAssertionError::new_err(msg)
             }
             CoreError::ShardCount { .. } | CoreError::ShardNotDivisible { .. } => {
-                ShardError::new_err(msg)
+                E::ShardError.new_err(msg)
             }
             // Only a wrong call of the private gather functions reaches these.
             CoreError::GatherIndex { .. }
             | CoreError::GatherUneven { .. }
             | CoreError::GatherSize { .. }
-            | CoreError::GatherRange { .. } => PackedTensorError::new_err(msg),
+            | CoreError::GatherRange { .. } => E::PackedTensorError.new_err(msg),
             // --- packing ---
-            CoreError::ItemTooLarge { .. } => ItemTooLargeError::new_err(msg),
-            CoreError::InvalidItem { .. } => InvalidLengthError::new_err(msg),
-            CoreError::PackingArgument { .. } => PackingArgumentError::new_err(msg),
-            CoreError::BinCount { .. } => BinCountError::new_err(msg),
+            CoreError::ItemTooLarge { .. } => E::ItemTooLargeError.new_err(msg),
+            CoreError::InvalidItem { .. } => E::InvalidLengthError.new_err(msg),
+            CoreError::PackingArgument { .. } => E::PackingArgumentError.new_err(msg),
+            CoreError::BinCount { .. } => E::BinCountError.new_err(msg),
             // --- batch ---
             CoreError::MaskLength { .. }
             | CoreError::MaskValue { .. }
-            | CoreError::MaskNoTrainable { .. } => LossMaskError::new_err(msg),
-            CoreError::SpanMismatch { .. } => MessageSpanError::new_err(msg),
-            CoreError::TurnMarkers { .. } => TurnStructureError::new_err(msg),
-            CoreError::MissingField { .. } => MissingFieldError::new_err(msg),
-            CoreError::EmptySample { .. } | CoreError::EmptyBatch => EmptySampleError::new_err(msg),
-            CoreError::InvalidToken { .. } => InvalidTokenError::new_err(msg),
-            CoreError::BatchOption { .. } => BatchOptionError::new_err(msg),
-            CoreError::BatchLayout { .. } => BatchLayoutError::new_err(msg),
+            | CoreError::MaskNoTrainable { .. } => E::LossMaskError.new_err(msg),
+            CoreError::SpanMismatch { .. } => E::MessageSpanError.new_err(msg),
+            CoreError::TurnMarkers { .. } => E::TurnStructureError.new_err(msg),
+            CoreError::MissingField { .. } => E::MissingFieldError.new_err(msg),
+            CoreError::EmptySample { .. } | CoreError::EmptyBatch => {
+                E::EmptySampleError.new_err(msg)
+            }
+            CoreError::InvalidToken { .. } => E::InvalidTokenError.new_err(msg),
+            CoreError::BatchOption { .. } => E::BatchOptionError.new_err(msg),
+            CoreError::BatchLayout { .. } => E::BatchLayoutError.new_err(msg),
         }
     }
 }

@@ -13,7 +13,7 @@ use mmpack_core::gather;
 use numpy::{Element, PyArray1, PyArrayMethods, PyUntypedArrayMethods};
 use pyo3::prelude::*;
 
-use crate::errors::{PackedTensorError, PyCoreError};
+use crate::errors::{ErrorClass, PyCoreError};
 
 /// The bytes an array's data covers, from its data pointer and length (contiguous arrays; a
 /// non-contiguous one fails `as_slice` afterwards).
@@ -33,7 +33,7 @@ fn check_disjoint(out: (usize, usize), inputs: &[(usize, usize)]) -> PyResult<()
     }
     for (k, &(s, e)) in inputs.iter().enumerate() {
         if s < e && s < hi && lo < e {
-            return Err(PackedTensorError::new_err(format!(
+            return Err(ErrorClass::PackedTensorError.new_err(format!(
                 "the gather output overlaps input array {k}: the output cannot overlap its inputs"
             )));
         }

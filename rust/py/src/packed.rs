@@ -141,21 +141,26 @@ impl PyPackedLayout {
         prov_list(py, &ids)
     }
 
+    /// The number of rows.
     #[getter]
     fn num_rows(&self) -> usize {
         self.inner.rows()
     }
 
+    /// The number of physical segments the rows refer to.
     #[getter]
     fn n_physical(&self) -> usize {
         self.inner.n_physical()
     }
 
+    /// Whether rows are mapped by offsets and indices (False for the legacy layout: one
+    /// segment per row).
     #[getter]
     fn is_csr(&self) -> bool {
         self.inner.is_csr()
     }
 
+    /// Whether every physical segment carries a provenance id.
     #[getter]
     fn has_provenance(&self) -> bool {
         self.inner.provenance().is_some()
@@ -332,14 +337,17 @@ impl PyPackedLayout {
         selection_out(py, tensors, sel)
     }
 
+    /// The layout itself: it is immutable.
     fn __copy__(slf: PyRef<'_, Self>) -> PyRef<'_, Self> {
         slf
     }
 
+    /// The layout itself: it is immutable.
     fn __deepcopy__<'py>(slf: PyRef<'py, Self>, _memo: &Bound<'py, PyAny>) -> PyRef<'py, Self> {
         slf
     }
 
+    /// Pickles as a call of `PackedLayout.build` with the offsets, indices and provenance.
     fn __reduce__<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyTuple>> {
         let build = py.get_type::<Self>().getattr(intern!(py, "build"))?;
         let args = (
@@ -369,9 +377,13 @@ impl PyPackedLayout {
 /// input into one row).
 #[pyclass(frozen, module = "mmpack._native", get_all)]
 pub struct ConcatResult {
+    /// The new value's `dim_to_pack`, taken from the inputs.
     dim_to_pack: Py<PyAny>,
+    /// The new value's `pad_to_max_shape`, taken from the inputs.
     pad_to_max_shape: Py<PyAny>,
+    /// The new value's layout, or None for a legacy result.
     layout: Option<Py<PyPackedLayout>>,
+    /// The new value's segments, or None for a legacy `flattened_concat`.
     tensors: Option<Py<PyList>>,
 }
 

@@ -12,11 +12,17 @@ use crate::errors::PyCoreError;
 /// without media) of each bin, the oversize items and the packed total length.
 #[pyclass(frozen, module = "mmpack._native", get_all)]
 pub struct PackResult {
+    /// Where each bin starts in `item_indices`, plus the end (`num_bins + 1` entries, int64).
     bin_offsets: Py<PyArray1<i64>>,
+    /// The items of every bin, bin after bin (int64).
     item_indices: Py<PyArray1<i64>>,
+    /// The summed (effective) length of each bin (int64).
     bin_loads: Py<PyArray1<i64>>,
+    /// The summed media count of each bin (int64), or None without media.
     bin_media: Option<Py<PyArray1<i64>>>,
+    /// The items over a budget, in input order, skipped or truncated per `on_oversize` (int64).
     oversize: Py<PyArray1<i64>>,
+    /// The summed (effective) length of every packed item.
     total_length: i64,
 }
 
@@ -80,8 +86,11 @@ fn py_pack<'py>(
 /// The result of `shuffle_permutation`: the permutation and the generator's new state.
 #[pyclass(frozen, module = "mmpack._native", get_all)]
 pub struct ShuffleResult {
+    /// The shuffled `range(n)` (int64).
     permutation: Py<PyArray1<i64>>,
+    /// The generator's 624 state words after the shuffle (uint32).
     state: Py<PyArray1<u32>>,
+    /// The generator's position in `state` after the shuffle.
     pos: usize,
 }
 
@@ -109,9 +118,13 @@ fn py_shuffle_permutation<'py>(
 /// rank and of each bin.
 #[pyclass(frozen, module = "mmpack._native", get_all)]
 pub struct RankResult {
+    /// Where each rank starts in `bin_indices`, plus the end (`num_ranks + 1` entries, int64).
     rank_offsets: Py<PyArray1<i64>>,
+    /// The bins of every rank, rank after rank (int64).
     bin_indices: Py<PyArray1<i64>>,
+    /// The summed cost of each rank's bins (int64).
     rank_costs: Py<PyArray1<i64>>,
+    /// The cost of each bin (int64).
     bin_costs: Py<PyArray1<i64>>,
 }
 

@@ -29,6 +29,7 @@ impl SeenSegments {
 
 #[pymethods]
 impl SeenSegments {
+    /// An empty set.
     #[new]
     fn new() -> Self {
         Self {
@@ -36,6 +37,7 @@ impl SeenSegments {
         }
     }
 
+    /// Record `key` as counted.
     fn add(&self, key: usize) {
         self.lock().insert(key);
     }
@@ -52,9 +54,13 @@ impl SeenSegments {
 /// Bytes and counts of one value's segments (see `measure_segments`).
 #[pyclass(frozen, module = "mmpack._native", get_all)]
 pub struct SegmentTotals {
+    /// Bytes of the segments new to `seen`, each counted once.
     physical_bytes: u64,
+    /// The number of segments new to `seen`.
     physical_segments: usize,
+    /// Bytes of every segment reference, shared segments once per reference.
     logical_bytes: u64,
+    /// The number of segment references that are present.
     logical_segments: usize,
 }
 

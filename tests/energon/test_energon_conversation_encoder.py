@@ -1,0 +1,186 @@
+"""One route per sample through ``preencode_sample``: the conversation encoder is chosen when
+the task encoder is built (never per sample), it returns an encoding whose mask inputs are
+validated and whose trainable tokens are counted, and the policy reads that count instead of
+rebuilding the mask."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import pytest
+
+pytest.importorskip("megatron.energon")
+
+from megatron.energon import SkipSample
+from mmpack.batch import masks, templates
+from mmpack.energon import EncodedConversation, PackingEncoderConfig, PackingTaskEncoder
+from mmpack.energon.chat_template import ChatTemplateEncoder
+from mmpack.energon.markup import MarkupEncoder
+from mmpack.errors import LossMaskError, SampleFormatError
+from mmpack_dev.synthetic import build_tokenizer
+from test_energon_chat_template import (
+    DIALOGUE,
+    GENERATION,
+    MESSAGES,
+    PLAIN,
+    WORDS,
+    encoder,
+    mask_of,
+)
+
+MODES = [None, "precomputed"]
+
+
+def trained_words(enc: PackingTaskEncoder, encoded: Any) -> list[str]:
+    ids = encoded.token_ids.tolist()
+    return [WORDS[t] for t, m in zip(ids, mask_of(enc, encoded).tolist(), strict=True) if m]
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_chat_template_strategy_is_fixed_at_construction(mode: str | None) -> None:
+    enc = encoder(PLAIN, loss_mask_mode=mode)
+    assert isinstance(enc.conversation_encoder, ChatTemplateEncoder)
+    assert not enc.conversation_encoder.uses_generation_blocks
+    before = enc.encode_conversation(DIALOGUE)
+    # GENERATION renders the same text, but marks generation blocks: read per sample, it
+    # would stop training the <asst> headers
+    enc.tokenizer.chat_template = GENERATION
+    after = enc.encode_conversation(DIALOGUE)
+    assert after.token_ids.tolist() == before.token_ids.tolist()
+    assert trained_words(enc, after) == trained_words(enc, before)
+    assert trained_words(enc, after) == ["<asst>", "four", "</s>", "<asst>", "yes", "</s>"]
+    # built with the generation template from the start, the headers are not trained
+    fresh = encoder(GENERATION, loss_mask_mode=mode)
+    assert fresh.conversation_encoder.uses_generation_blocks
+    assert trained_words(fresh, fresh.encode_conversation(DIALOGUE)) == [
+        "four",
+        "</s>",
+        "yes",
+        "</s>",
+    ]
+
+
+def test_the_markup_strategy_is_fixed_at_construction() -> None:
+    tok = build_tokenizer()
+    cfg = PackingEncoderConfig(modalities=[])
+    enc = PackingTaskEncoder(cfg, tokenizer=tok)
+    assert isinstance(enc.conversation_encoder, MarkupEncoder)
+    before = enc.encode_conversation(DIALOGUE)
+    # a template appearing later does not switch the encoder ("auto" chose the markup)
+    tok.chat_template = PLAIN
+    assert enc.conversation_format == "markup"
+    after = enc.encode_conversation(DIALOGUE)
+    assert after.token_ids.tolist() == before.token_ids.tolist()
+    assert after.message_roles == before.message_roles
+    # a new encoder over the same tokenizer chooses the template
+    assert isinstance(
+        PackingTaskEncoder(cfg, tokenizer=tok).conversation_encoder, ChatTemplateEncoder
+    )
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("template", [PLAIN, GENERATION, None], ids=["plain", "gen", "markup"])
+def test_the_encoding_carries_its_trainable_token_count(
+    template: str | None, mode: str | None
+) -> None:
+    if template is None:
+        enc = PackingTaskEncoder(
+            PackingEncoderConfig(loss_mask_mode=mode),
+            tokenizer=build_tokenizer(),
+            processor={"patch_size": 16},
+        )
+    else:
+        enc = encoder(template, loss_mask_mode=mode)
+    encoded = enc.encode_conversation(DIALOGUE)
+    assert encoded.trainable_tokens == int(mask_of(enc, encoded).sum()) > 0
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_policy_reads_the_count_and_never_rebuilds_a_mask(
+    mode: str | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    enc = encoder(PLAIN, loss_mask_mode=mode)
+    encoded = enc.encode_conversation(DIALOGUE)
+
+    def no_mask_work(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("the policy built or validated a mask")
+
+    for name in ("from_roles", "from_fragments", "validate", "from_chat_template"):
+        monkeypatch.setattr(masks, name, no_mask_work)
+    enc.check_policy(DIALOGUE, encoded)  # passes on the count alone
+    # the count decides: a mask with trainable tokens under a count of 0 is skipped
+    emptied = dataclasses.replace(encoded, trainable_tokens=0)
+    with pytest.raises(SkipSample, match="empty_trainable_mask"):
+        enc.check_policy(DIALOGUE, emptied)
+    assert enc.stats.snapshot()["skipped"]["empty_trainable_mask"] == 1
+
+
+def test_an_encoding_not_made_by_a_conversation_encoder_is_refused_by_name() -> None:
+    enc = encoder(PLAIN, loss_mask_mode="precomputed")
+    made = enc.encode_conversation(DIALOGUE)
+    uncounted = EncodedConversation.derive_from(
+        made,
+        token_ids=made.token_ids,
+        loss_mask=made.loss_mask,
+        message_lengths=made.message_lengths,
+        message_roles=made.message_roles,
+        media=made.media,
+        media_units=made.media_units,
+    )
+    assert uncounted.trainable_tokens is None
+    with pytest.raises(SampleFormatError, match="sample 'c0' has no trainable-token count"):
+        enc.check_policy(DIALOGUE, uncounted)
+    # revalidated, it is counted (and its mask checked)
+    assert uncounted.revalidated(enc.config.train_roles).trainable_tokens == made.trainable_tokens
+    broken = dataclasses.replace(made, loss_mask=made.loss_mask[:-1])
+    with pytest.raises(LossMaskError, match="'c0'"):
+        broken.revalidated(enc.config.train_roles)
+
+
+def test_an_overriding_encode_conversation_is_validated_and_counted_again(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    class HalfTrained(PackingTaskEncoder):
+        def encode_conversation(self, conversation: Any) -> EncodedConversation:
+            encoded = super().encode_conversation(conversation)
+            encoded.loss_mask[:] = 0  # edited in place, after the encoder counted
+            return encoded
+
+    enc = HalfTrained(
+        PackingEncoderConfig(modalities=[], loss_mask_mode="precomputed"),
+        tokenizer=encoder(PLAIN).tokenizer,
+    )
+    with pytest.raises(SkipSample, match="empty_trainable_mask"):
+        enc.preencode_sample(DIALOGUE)
+    # the default encoder is not validated twice: its count is the one it made
+    plain = encoder(PLAIN, loss_mask_mode="precomputed")
+
+    def twice(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("validated twice")
+
+    monkeypatch.setattr(EncodedConversation, "revalidated", twice)
+    assert plain.preencode_sample(DIALOGUE).trainable_tokens == 6
+
+
+def test_one_prefix_renderer_serves_both_chat_template_paths(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: list[int] = []
+    real = templates.render_prefixes
+
+    def counting(tokenizer: Any, messages: Any, **kwargs: Any) -> list[str]:
+        calls.append(len(messages))
+        return real(tokenizer, messages, **kwargs)
+
+    monkeypatch.setattr(templates, "render_prefixes", counting)
+    enc = encoder(PLAIN)
+    calls.clear()  # the startup probe renders too
+    encoded = enc.encode_conversation(DIALOGUE)
+    ids, _ = masks.from_chat_template(enc.tokenizer, MESSAGES)
+    assert calls == [len(MESSAGES), len(MESSAGES)]
+    assert encoded.token_ids.tolist() == ids.tolist()
+    # one generation-tag rule decides for both
+    assert templates.has_generation_markers(GENERATION)
+    assert not templates.has_generation_markers(PLAIN)
+    assert templates.has_generation_markers("{%- generation -%}x{% endgeneration %}")
