@@ -632,8 +632,10 @@ _BoolArray2: _typing.TypeAlias = numpy.ndarray[tuple[int, int], numpy.dtype[nump
 
 @_typing.final
 class BatchOptions:
-    """Batch options (mmpack_core::batch::BatchOptions), checked when made: every build_pack,
-    build_padded and concat_packs call reads one."""
+    """
+    Batch options (mmpack_core::batch::BatchOptions), checked when made: every build_pack,
+    build_padded and concat_packs call reads one.
+    """
 
     def __new__(
         cls,
@@ -646,34 +648,52 @@ class BatchOptions:
         cp_size: int,
         pad_to_length: int | None,
     ) -> BatchOptions:
-        """Create and return a new object.  See help(type) for accurate signature."""
+        """
+        Create and return a new object.  See help(type) for accurate signature.
+        """
     @property
     def precomputed(self) -> bool:
-        """Whether each sample's own loss mask is used (else it is derived from roles)."""
+        """
+        Whether each sample's own loss mask is used (else it is derived from roles).
+        """
     @property
     def train_roles(self) -> list[str]:
-        """Roles whose messages are trained on."""
+        """
+        Roles whose messages are trained on.
+        """
     @property
     def pad_token_id(self) -> int:
-        """The token id of the padding."""
+        """
+        The token id of the padding.
+        """
     @property
     def pad_to_multiple_of(self) -> int:
-        """Every sample is padded to a multiple of this."""
+        """
+        Every sample is padded to a multiple of this.
+        """
     @property
     def ignore_index(self) -> int:
-        """The label of every position that is not trained on."""
+        """
+        The label of every position that is not trained on.
+        """
     @property
     def cp_size(self) -> int:
-        """Context-parallel ranks: samples are also padded to a multiple of 2 * cp_size."""
+        """
+        Context-parallel ranks: samples are also padded to a multiple of 2 * cp_size.
+        """
     @property
     def pad_to_length(self) -> int | None:
-        """The total length of a pack, or the width of every padded row; None: as short as the
-        samples allow."""
+        """
+        The total length of a pack, or the width of every padded row; None: as short as the
+        samples allow.
+        """
 
 @_typing.final
 class ThdLayout:
-    """One pack in Megatron's THD layout (mmpack_core::batch::ThdLayout), as numpy arrays: built
-    by build_pack and concat_packs, or made from a batch's fields for check_pack."""
+    """
+    One pack in Megatron's THD layout (mmpack_core::batch::ThdLayout), as numpy arrays: built
+    by build_pack and concat_packs, or made from a batch's fields for check_pack.
+    """
 
     def __new__(
         cls,
@@ -687,36 +707,56 @@ class ThdLayout:
         cu_seqlens_padded: _I32Array,
         max_seqlen: int,
     ) -> ThdLayout:
-        """Create and return a new object.  See help(type) for accurate signature."""
+        """
+        Create and return a new object.  See help(type) for accurate signature.
+        """
     @property
     def input_ids(self) -> _I64Array:
-        """The tokens, pad_token_id on padding: int64 [T]."""
+        """
+        The tokens, pad_token_id on padding: int64 [T].
+        """
     @property
     def labels(self) -> _I64Array:
-        """Shifted labels, ignore_index where nothing is trained: int64 [T]."""
+        """
+        Shifted labels, ignore_index where nothing is trained: int64 [T].
+        """
     @property
     def loss_mask(self) -> _BoolArray:
-        """Aligned with labels: the label at each position is trained on: bool [T]."""
+        """
+        Aligned with labels: the label at each position is trained on: bool [T].
+        """
     @property
     def token_mask(self) -> _BoolArray:
-        """Aligned with input_ids: the token at each position is trainable: bool [T]."""
+        """
+        Aligned with input_ids: the token at each position is trainable: bool [T].
+        """
     @property
     def position_ids(self) -> _I64Array:
-        """Positions, restarting at 0 per sample: int64 [T]."""
+        """
+        Positions, restarting at 0 per sample: int64 [T].
+        """
     @property
     def cu_seqlens(self) -> _I32Array:
-        """Sample offsets without padding: int32 [n + 1]."""
+        """
+        Sample offsets without padding: int32 [n + 1].
+        """
     @property
     def cu_seqlens_padded(self) -> _I32Array:
-        """Sample offsets with padding: int32 [n + 1]."""
+        """
+        Sample offsets with padding: int32 [n + 1].
+        """
     @property
     def max_seqlen(self) -> int:
-        """The longest padded sample."""
+        """
+        The longest padded sample.
+        """
 
 @_typing.final
 class PaddedLayout:
-    """Padded rows [rows, width] (mmpack_core::batch::PaddedLayout), as numpy arrays: built by
-    build_padded, or made from a batch's fields for check_padded."""
+    """
+    Padded rows [rows, width] (mmpack_core::batch::PaddedLayout), as numpy arrays: built by
+    build_padded, or made from a batch's fields for check_padded.
+    """
 
     def __new__(
         cls,
@@ -729,34 +769,52 @@ class PaddedLayout:
         attention_mask: _BoolArray2,
         lengths: _I64Array,
     ) -> PaddedLayout:
-        """Create and return a new object.  See help(type) for accurate signature."""
+        """
+        Create and return a new object.  See help(type) for accurate signature.
+        """
     @property
     def input_ids(self) -> _I64Array:
-        """The tokens, pad_token_id on padding: int64 [rows, width]."""
+        """
+        The tokens, pad_token_id on padding: int64 [rows, width].
+        """
     @property
     def labels(self) -> _I64Array:
-        """Shifted labels, ignore_index where nothing is trained: int64 [rows, width]."""
+        """
+        Shifted labels, ignore_index where nothing is trained: int64 [rows, width].
+        """
     @property
     def loss_mask(self) -> _BoolArray:
-        """Aligned with labels: the label at each position is trained on: bool [rows, width]."""
+        """
+        Aligned with labels: the label at each position is trained on: bool [rows, width].
+        """
     @property
     def token_mask(self) -> _BoolArray:
-        """Aligned with input_ids: the token at each position is trainable: bool [rows, width]."""
+        """
+        Aligned with input_ids: the token at each position is trainable: bool [rows, width].
+        """
     @property
     def position_ids(self) -> _I64Array:
-        """Positions, restarting at 0 in every row: int64 [rows, width]."""
+        """
+        Positions, restarting at 0 in every row: int64 [rows, width].
+        """
     @property
     def attention_mask(self) -> _BoolArray:
-        """Position < the row's length: bool [rows, width]."""
+        """
+        Position < the row's length: bool [rows, width].
+        """
     @property
     def lengths(self) -> _I64Array:
-        """Tokens per row: int64 [rows]."""
+        """
+        Tokens per row: int64 [rows].
+        """
 
 def validate_mask(
     mask: numpy.ndarray[Any, Any], num_tokens: int, require_trainable: bool, sample: str
 ) -> None:
     """
+
     Validate one loss mask (length, values in {0, 1}, optionally one trainable token).
+
     """
 
 def mask_from_roles(
@@ -767,7 +825,9 @@ def mask_from_roles(
     sample: str,
 ) -> numpy.ndarray[Any, numpy.dtype[numpy.bool_]]:
     """
+
     Mask from message lengths and roles (roles in `train_roles` are trained on).
+
     """
 
 def mask_from_fragments(
@@ -777,7 +837,9 @@ def mask_from_fragments(
     sample: str,
 ) -> numpy.ndarray[Any, numpy.dtype[numpy.bool_]]:
     """
+
     Mask from fragment lengths and per-fragment trainable flags.
+
     """
 
 def turn_spans(
@@ -786,38 +848,42 @@ def turn_spans(
     sample: str,
 ) -> numpy.ndarray[Any, numpy.dtype[numpy.int64]]:
     """
+
     Turn spans from marker tokens, flat: four entries per user/assistant pair.
+
     """
 
-#: The samples of a build call, one list per field.
-_SampleColumns = _typing.TypedDict(
-    "_SampleColumns",
-    {
-        "names": list[str],
-        "tokens": list[_I64Array],
-        "masks": list[numpy.ndarray[Any, Any] | None],
-        "message_lengths": list[_typing.Sequence[int] | None],
-        "message_roles": list[list[str] | None],
-    },
-)
+#: The samples of a build call: one list per field, keyed names, tokens, masks,
+#: message_lengths and message_roles.
+_SampleColumns: _typing.TypeAlias = dict[str, list[Any]]
 
 def build_pack(samples: _SampleColumns, options: BatchOptions) -> ThdLayout:
-    """Build one pack. samples: a dict of parallel lists, names, tokens, masks, message_lengths
-    and message_roles (masks are read in precomputed mode, the messages otherwise)."""
+    """
+    Build one pack. samples: a dict of parallel lists, names, tokens, masks, message_lengths
+    and message_roles (masks are read in precomputed mode, the messages otherwise).
+    """
 
 def build_padded(samples: _SampleColumns, options: BatchOptions) -> PaddedLayout:
-    """Build padded rows, one per sample (arguments as build_pack; pad_to_length is the width of
-    every row)."""
+    """
+    Build padded rows, one per sample (arguments as build_pack; pad_to_length is the width of
+    every row).
+    """
 
 def check_pack(layout: ThdLayout, *, pad_token_id: int, ignore_index: int) -> None:
-    """Check a THD layout: every field against the others, pad_token_id and ignore_index."""
+    """
+    Check a THD layout: every field against the others, pad_token_id and ignore_index.
+    """
 
 def concat_packs(layouts: list[ThdLayout], options: BatchOptions) -> ThdLayout:
-    """Several THD layouts as one micro-batch; each is checked against options (its
-    pad_token_id, ignore_index and padding multiple), whose pad_to_length is the total."""
+    """
+    Several THD layouts as one micro-batch; each is checked against options (its
+    pad_token_id, ignore_index and padding multiple), whose pad_to_length is the total.
+    """
 
 def check_padded(layout: PaddedLayout, *, pad_token_id: int, ignore_index: int) -> None:
-    """Check padded rows: every field against the others, pad_token_id and ignore_index."""
+    """
+    Check padded rows: every field against the others, pad_token_id and ignore_index.
+    """
 
 # --- gather ---
 
