@@ -45,7 +45,7 @@ class BatchOptions:
     """
 
     loss_mask_mode: str | None = None
-    train_roles: tuple[str, ...] = ("assistant",)
+    train_roles: Sequence[str] = ("assistant",)  # kept as a tuple
     pad_token_id: int = 0
     pad_to_multiple_of: int = 1
     ignore_index: int = -100

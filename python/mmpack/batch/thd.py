@@ -60,7 +60,8 @@ class PackedBatch:
     Constructing one checks every field against the others (``BatchLayoutError``; ``TypeError``
     for a wrong dtype or shape); tensors off the host are checked on a host copy, ``meta``
     tensors (no values) for dtype and shape only. Frozen: fields are not reassigned, ``to``
-    moves them all at once.
+    moves them all at once. The fields are declared once, in ``mmpack.batch.fields.FIELDS``;
+    ``layout()`` hands them to the native checks as one ``ThdLayout``.
     """
 
     input_ids: torch.Tensor
