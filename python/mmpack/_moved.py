@@ -27,6 +27,7 @@ MOVED: dict[str, str] = {
     "mmpack.compat.safe_unpickle": "mmpack.safe_load",
     "mmpack.compat.nemo_rl_packing": "mmpack.compat.nemo_rl.packing",
     "mmpack.compat.nemo_rl_batched": "mmpack.compat.nemo_rl.batched",
+    "mmpack.energon.conversation": "mmpack.energon.markup",
 }
 
 #: module -> {name: the module that holds it now}: names that moved out of a module that stays.
