@@ -161,6 +161,21 @@ def test_micro_batch_takes_the_options_the_packs_were_built_with() -> None:
         micro_batch(packs, BatchOptions(cp_size=2))
     with pytest.raises(BatchLayoutError, match=r"packs\[0\]: sample 0 is padded to 4 positions"):
         micro_batch(packs, opts.replace(cp_size=3))
+    # fill values given as keywords are checked too, never silently replaced by the packs'
+    with pytest.raises(BatchOptionError, match=r"packs\[0\] has pad_token_id=1, the options 5"):
+        micro_batch(packs, cp_size=2, pad_token_id=5)
+    with pytest.raises(BatchOptionError, match=r"packs\[0\] has ignore_index=-7, the options -1"):
+        micro_batch(packs, cp_size=2, ignore_index=-1)
+    _assert_same(joined, micro_batch(packs, cp_size=2, pad_to_length=24, pad_token_id=1))
+
+
+@pytest.mark.parametrize("roles", [{"assistant": True, "user": False}, {"assistant": 1}])
+def test_train_roles_as_a_mapping_is_refused(roles: Any) -> None:
+    """Iterating ``{"assistant": True, "user": False}`` would train on both roles."""
+    with pytest.raises(BatchOptionTypeError, match="train_roles: a mapping"):
+        BatchOptions(train_roles=roles)
+    with pytest.raises(BatchOptionTypeError, match="train_roles: a mapping"):
+        pack_samples(_roles(_samples()), train_roles=roles)
 
 
 @pytest.mark.parametrize("build", [pack_samples, pad_samples, micro_batch])

@@ -28,10 +28,6 @@ import torch
 import torch.nn.functional as F
 from mmpack.batch import EncodedSample, PackedBatch, masks, micro_batch, pack_samples
 from mmpack.batch.padded import PaddedBatch, pad_samples
-
-pytest.importorskip("transformers")
-pytest.importorskip("megatron.core")
-
 from reference import trainers
 
 # megatron-core warns on import about Transformer Engine / Apex being absent (CPU machine)

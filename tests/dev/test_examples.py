@@ -10,10 +10,6 @@ from typing import Any
 
 import pytest
 
-pytest.importorskip("megatron.energon")
-pytest.importorskip("torchvision")
-pytest.importorskip("av")
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import llava
 import qwen2_audio

@@ -9,9 +9,6 @@ import json
 from typing import Any
 
 import pytest
-
-pytest.importorskip("megatron.energon")
-
 import torch
 from mmpack.batch import BatchOptions, PackedBatch, pack_samples
 from mmpack.batch.padded import PaddedBatch, pad_samples

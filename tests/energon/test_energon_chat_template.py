@@ -9,9 +9,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-
-pytest.importorskip("megatron.energon")
-
 from mmpack.batch import masks, pack_samples
 from mmpack.energon import PackingEncoderConfig, PackingTaskEncoder
 from mmpack.energon.chat_template import TEMPLATE_MARKUP_ROLE

@@ -9,15 +9,12 @@ import dataclasses
 from typing import Any
 
 import pytest
-
-pytest.importorskip("megatron.energon")
-
 from megatron.energon import SkipSample
 from mmpack.batch import masks, templates
 from mmpack.energon import EncodedConversation, PackingEncoderConfig, PackingTaskEncoder
 from mmpack.energon.chat_template import ChatTemplateEncoder
 from mmpack.energon.markup import MarkupEncoder
-from mmpack.errors import LossMaskError, SampleFormatError
+from mmpack.errors import ChatTemplateError, LossMaskError, SampleFormatError
 from mmpack_dev.synthetic import build_tokenizer
 from test_energon_chat_template import (
     DIALOGUE,
@@ -43,13 +40,15 @@ def test_the_chat_template_strategy_is_fixed_at_construction(mode: str | None) -
     assert isinstance(enc.conversation_encoder, ChatTemplateEncoder)
     assert not enc.conversation_encoder.uses_generation_blocks
     before = enc.encode_conversation(DIALOGUE)
-    # GENERATION renders the same text, but marks generation blocks: read per sample, it
-    # would stop training the <asst> headers
+    assert trained_words(enc, before) == ["<asst>", "four", "</s>", "<asst>", "yes", "</s>"]
+    # a template swapped in later would render with the new template and mask by the old
+    # one's rule (GENERATION renders the same text but marks generation blocks): refused, by
+    # sample, instead of training the <asst> headers by the old rule
     enc.tokenizer.chat_template = GENERATION
-    after = enc.encode_conversation(DIALOGUE)
-    assert after.token_ids.tolist() == before.token_ids.tolist()
-    assert trained_words(enc, after) == trained_words(enc, before)
-    assert trained_words(enc, after) == ["<asst>", "four", "</s>", "<asst>", "yes", "</s>"]
+    with pytest.raises(ChatTemplateError, match=r"'c0'.*chat template changed after"):
+        enc.encode_conversation(DIALOGUE)
+    enc.tokenizer.chat_template = PLAIN
+    assert enc.encode_conversation(DIALOGUE).token_ids.tolist() == before.token_ids.tolist()
     # built with the generation template from the start, the headers are not trained
     fresh = encoder(GENERATION, loss_mask_mode=mode)
     assert fresh.conversation_encoder.uses_generation_blocks
@@ -132,10 +131,17 @@ def test_an_encoding_not_made_by_a_conversation_encoder_is_refused_by_name() -> 
     with pytest.raises(SampleFormatError, match="sample 'c0' has no trainable-token count"):
         enc.check_policy(DIALOGUE, uncounted)
     # revalidated, it is counted (and its mask checked)
-    assert uncounted.revalidated(enc.config.train_roles).trainable_tokens == made.trainable_tokens
+    assert (
+        uncounted.revalidated(
+            enc.config.train_roles, precomputed=enc.config.loss_mask_mode == "precomputed"
+        ).trainable_tokens
+        == made.trainable_tokens
+    )
     broken = dataclasses.replace(made, loss_mask=made.loss_mask[:-1])
     with pytest.raises(LossMaskError, match="'c0'"):
-        broken.revalidated(enc.config.train_roles)
+        broken.revalidated(
+            enc.config.train_roles, precomputed=enc.config.loss_mask_mode == "precomputed"
+        )
 
 
 def test_an_overriding_encode_conversation_is_validated_and_counted_again(
@@ -184,3 +190,70 @@ def test_one_prefix_renderer_serves_both_chat_template_paths(
     assert templates.has_generation_markers(GENERATION)
     assert not templates.has_generation_markers(PLAIN)
     assert templates.has_generation_markers("{%- generation -%}x{% endgeneration %}")
+
+
+class _Rewrites:
+    """A conversation encoder of the user's that edits the built-in one's output."""
+
+    def __init__(self, inner: Any, edit: Any) -> None:
+        self.inner, self.edit, self.format = inner, edit, inner.format
+
+    def encode(self, conversation: Any) -> EncodedConversation:
+        encoded = self.inner.encode(conversation)
+        self.edit(encoded)
+        return encoded
+
+
+def _with_encoder(mode: str | None, edit: Any) -> PackingTaskEncoder:
+    enc = encoder(PLAIN, loss_mask_mode=mode)
+    # swapped after construction: the route must still validate what this encoder returns
+    enc.conversation_encoder = _Rewrites(enc.conversation_encoder, edit)
+    return enc
+
+
+def test_a_swapped_in_conversation_encoder_is_validated_and_counted() -> None:
+    """Any encoder but the built-in ones is checked per sample: an emptied mask is skipped
+    (never packed with nothing to train on), and a mask value of 2 fails its own sample with
+    a ``LossMaskError`` naming it, not the whole pack it would have been selected into."""
+
+    def empty(encoded: Any) -> None:
+        encoded.loss_mask[:] = 0
+
+    def two(encoded: Any) -> None:
+        encoded.loss_mask[-1] = 2
+
+    with pytest.raises(SkipSample, match="empty_trainable_mask"):
+        _with_encoder("precomputed", empty).preencode_sample(DIALOGUE)
+    with pytest.raises(LossMaskError, match="'c0'"):
+        _with_encoder("precomputed", two).preencode_sample(DIALOGUE)
+
+
+def test_in_roles_mode_the_count_follows_the_roles_the_batch_is_built_from() -> None:
+    """In roles mode the batch builder ignores a ``loss_mask``: so does the count. An encoder
+    that attaches an all-zero mask is neither skipped for it nor trained by it."""
+    made = encoder(PLAIN, loss_mask_mode=None).preencode_sample(DIALOGUE)
+
+    def zero_mask(encoded: Any) -> None:
+        encoded.loss_mask = encoded.token_ids * 0
+
+    got = _with_encoder(None, zero_mask).preencode_sample(DIALOGUE)
+    assert got.trainable_tokens == made.trainable_tokens > 0
+
+    class AttachesMask(PackingTaskEncoder):
+        def encode_conversation(self, conversation: Any) -> EncodedConversation:
+            encoded = super().encode_conversation(conversation)
+            zero_mask(encoded)
+            return encoded
+
+    overriding = AttachesMask(
+        PackingEncoderConfig(modalities=[], loss_mask_mode=None), tokenizer=encoder(PLAIN).tokenizer
+    )
+    assert overriding.preencode_sample(DIALOGUE).trainable_tokens == made.trainable_tokens
+
+
+@pytest.mark.parametrize("option", ["pad_to_multiple_of", "cp_size"])
+def test_padding_past_int32_is_a_config_error_at_construction(option: str) -> None:
+    from mmpack.errors import EnergonConfigError
+
+    with pytest.raises(EnergonConfigError, match="batch options rejected"):
+        encoder(PLAIN, **{option: 2**40})

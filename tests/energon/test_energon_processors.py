@@ -11,10 +11,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-
-pytest.importorskip("megatron.energon")
-pytest.importorskip("torchvision")
-
 from mmpack.energon import PackingEncoderConfig, PackingTaskEncoder
 from mmpack.energon.media import MediaHandle
 from mmpack.energon.processors import ModelProcessor

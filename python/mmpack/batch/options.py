@@ -59,6 +59,12 @@ class BatchOptions:
             )
         try:
             roles = self.train_roles
+            if isinstance(roles, Mapping):
+                # iterating {"assistant": True, "user": False} would train on both
+                raise BatchOptionTypeError(
+                    "invalid train_roles: a mapping; give the names of the roles to train on "
+                    f"(a sequence such as ('assistant',)), got {roles!r}"
+                )
             if type(roles) is not tuple or not all(type(r) is str for r in roles):
                 roles = tuple(role_list(roles, "train_roles"))
             ints = {

@@ -289,6 +289,12 @@ def micro_batch(
                 "the micro-batch with .to(device)"
             )
     first = packs[0]
+    # the values the caller gave (``options``, or these keywords) must be the packs' own
+    pinned = {
+        name: getattr(opts, name)
+        for name in ("pad_token_id", "ignore_index")
+        if options is not None or name in keywords
+    }
     for i, p in enumerate(packs):
         for name in ("pad_token_id", "ignore_index"):
             if getattr(p, name) != getattr(first, name):
@@ -296,10 +302,10 @@ def micro_batch(
                     f"invalid packs: packs[{i}] has {name}={getattr(p, name)}, packs[0] "
                     f"{getattr(first, name)}; a micro-batch has one of each"
                 )
-            if options is not None and getattr(p, name) != getattr(options, name):
+            if name in pinned and getattr(p, name) != pinned[name]:
                 raise BatchOptionError(
                     f"invalid packs: packs[{i}] has {name}={getattr(p, name)}, the options "
-                    f"{getattr(options, name)}; build the packs with the micro-batch's options"
+                    f"{pinned[name]}; build the packs with the micro-batch's options"
                 )
     if (first.pad_token_id, first.ignore_index) != (opts.pad_token_id, opts.ignore_index):
         opts = opts.replace(pad_token_id=first.pad_token_id, ignore_index=first.ignore_index)

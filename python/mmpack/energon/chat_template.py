@@ -191,10 +191,10 @@ class ChatTemplateEncoder:
         self.media = media
         self.train_roles = tuple(train_roles)
         self.loss_mask_mode = loss_mask_mode
+        #: the template this encoder was built for: its masking rule is read from it once
+        self.template = templates.template_text(tokenizer)
         #: the template marks assistant output with ``{% generation %}``
-        self.uses_generation_blocks = templates.has_generation_markers(
-            templates.template_text(tokenizer)
-        )
+        self.uses_generation_blocks = templates.has_generation_markers(self.template)
 
     def encode(self, conversation: Conversation) -> EncodedConversation:
         """Tokens, message spans (roles mode) or loss mask (``"precomputed"``) and media of one
@@ -207,6 +207,13 @@ class ChatTemplateEncoder:
         media = self.media
         train_roles = self.train_roles
         key = str(conversation.__key__)
+        current = templates.template_text(tokenizer)
+        if current is not self.template and current != self.template:
+            # rendering would follow the new template and masking the old one's rule
+            raise ChatTemplateError(
+                f"sample {key!r}: the tokenizer's chat template changed after the task encoder "
+                "was built; build a new encoder for the new template"
+            )
         turns = conversation.turns
         if not turns:
             raise SampleFormatError(f"sample {key!r} has no turns")

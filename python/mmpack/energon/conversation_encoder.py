@@ -20,7 +20,7 @@ from mmpack.energon.processors import ModelProcessor
 from mmpack.energon.samples import Conversation, EncodedConversation
 from mmpack.energon.validation import resolve_conversation_format
 
-__all__ = ["ConversationEncoder", "build_conversation_encoder"]
+__all__ = ["BUILTIN_ENCODERS", "ConversationEncoder", "build_conversation_encoder"]
 
 
 class ConversationEncoder(Protocol):
@@ -31,6 +31,11 @@ class ConversationEncoder(Protocol):
     format: str
 
     def encode(self, conversation: Conversation) -> EncodedConversation: ...
+
+
+#: The encoders whose output is validated where it is made (`EncodedConversation.validated_from`)
+#: and never edited after; any other encoder's output is validated again by the task encoder.
+BUILTIN_ENCODERS: tuple[type, ...] = (ChatTemplateEncoder, MarkupEncoder)
 
 
 def build_conversation_encoder(

@@ -90,14 +90,18 @@ class EncodedConversation(Sample):
         media: list[MediaHandle],
         media_units: int,
         media_tokens: list[int] | None = None,
+        precomputed: bool | None = None,
     ) -> EncodedConversation:
         """The encoding of `source` (its keys carried over), with its mask inputs validated:
         a precomputed `loss_mask` by `mmpack.batch.masks.validate` (`LossMaskError`), or the
         message spans by `mmpack.batch.masks.from_roles` (`MessageSpanError`); both name the
         sample. Checked per sample here: a bad mask found by the batch builder would fail the
-        whole pack the sample was selected into."""
+        whole pack the sample was selected into. ``precomputed``: the mask mode the batch will
+        be built in (None: the mask if there is one); the count follows what the batch uses."""
         key = source.__key__
-        if loss_mask is not None:
+        if precomputed is None:
+            precomputed = loss_mask is not None
+        if precomputed:
             masks.validate(loss_mask, len(token_ids), sample_id=key)
             trainable = int(np.count_nonzero(loss_mask))
         else:
@@ -117,12 +121,13 @@ class EncodedConversation(Sample):
             media_tokens=media_tokens,
         )
 
-    def revalidated(self, train_roles: Sequence[str]) -> EncodedConversation:
-        """This encoding validated and counted again (after code outside the conversation
-        encoder, such as a subclass's ``encode_conversation``, may have edited it)."""
+    def revalidated(self, train_roles: Sequence[str], *, precomputed: bool) -> EncodedConversation:
+        """This encoding validated and counted again, in the batch's mask mode (after code
+        outside the built-in conversation encoders may have edited it)."""
         return EncodedConversation.validated_from(
             self,
             train_roles=train_roles,
+            precomputed=precomputed,
             token_ids=self.token_ids,
             loss_mask=self.loss_mask,
             message_lengths=self.message_lengths,

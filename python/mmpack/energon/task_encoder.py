@@ -36,7 +36,11 @@ from mmpack.batch import EncodedSample, PackedBatch, pack_samples
 from mmpack.batch.options import BatchOptions
 from mmpack.batch.padded import PaddedBatch, pad_samples
 from mmpack.energon.config import PackingEncoderConfig
-from mmpack.energon.conversation_encoder import ConversationEncoder, build_conversation_encoder
+from mmpack.energon.conversation_encoder import (
+    BUILTIN_ENCODERS,
+    ConversationEncoder,
+    build_conversation_encoder,
+)
 from mmpack.energon.cookers import default_cookers
 from mmpack.energon.decoders import BuiltinDecoder, MediaDecoder, decode_media
 from mmpack.energon.markup import tokenize
@@ -56,7 +60,7 @@ from mmpack.energon.validation import (
     check_optional_dependencies,
     resolve_media_settings,
 )
-from mmpack.errors import BatchOptionError, EnergonConfigError
+from mmpack.errors import BatchOptionError, EnergonConfigError, IndexOverflowError
 from mmpack.packing import pack
 
 __all__ = ["PackingTaskEncoder"]
@@ -151,8 +155,10 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
             tokenize=self.tokenize,
         )
         # what an overriding encode_conversation returns may have been edited after the
-        # conversation encoder validated it, so it is validated again
-        self._revalidate_encoding = (
+        # conversation encoder validated it, so it is validated again (so is the output of any
+        # conversation encoder other than the built-in ones, checked per sample: a subclass may
+        # swap `conversation_encoder` after construction)
+        self._override_encodes = (
             type(self).encode_conversation is not PackingTaskEncoder.encode_conversation
         )
         if self.conversation_format == "chat_template":
@@ -193,7 +199,7 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
         try:
             options = self.config.batch_options()
             pack_samples([probe], options.replace(loss_mask_mode="precomputed"))
-        except BatchOptionError as err:
+        except (BatchOptionError, IndexOverflowError) as err:  # overflow: padding past int32
             raise EnergonConfigError(f"batch options rejected by pack_samples: {err}") from err
         return options
 
@@ -307,8 +313,11 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
     def preencode_sample(self, sample: Conversation) -> EncodedConversation:
         self.check_conversation(sample)
         encoded = self.encode_conversation(sample)
-        if self._revalidate_encoding:
-            encoded = encoded.revalidated(self.config.train_roles)
+        if self._override_encodes or type(self.conversation_encoder) not in BUILTIN_ENCODERS:
+            encoded = encoded.revalidated(
+                self.config.train_roles,
+                precomputed=self.config.loss_mask_mode == "precomputed",
+            )
         self.check_policy(sample, encoded)
         self._skip_guard.passed()
         self.stats.add("encoded")
