@@ -250,6 +250,17 @@ def test_padded_layouts_round_trip_through_check() -> None:
     )
     with pytest.raises(BatchLayoutError, match="attention_mask"):
         _native.check_padded(bad, pad_token_id=0, ignore_index=-100)
+    # Fortran-ordered rows are contiguous too: read flat, rows would be columns
+    fortran = _native.PaddedLayout(
+        **{
+            f.name: np.asfortranarray(getattr(layout, f.name))
+            if getattr(layout, f.name).ndim == 2
+            else getattr(layout, f.name)
+            for f in PADDED_FIELDS
+        }
+    )
+    with pytest.raises(TypeError, match="C-contiguous"):
+        _native.check_padded(fortran, pad_token_id=0, ignore_index=-100)
 
 
 @pytest.mark.parametrize(

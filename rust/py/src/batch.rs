@@ -452,8 +452,14 @@ fn concat_packs<'py>(
     Ok(ThdLayout::new(py, out))
 }
 
-/// Row-major slices of `[rows, width]` arrays: a non-contiguous array is a `TypeError`.
+/// Row-major slices of `[rows, width]` arrays: any other memory order is a `TypeError` (a
+/// Fortran-ordered array is contiguous too, but read flat its rows would be its columns).
 fn flat<'a, T: numpy::Element>(a: &'a PyReadonlyArray2<'_, T>) -> PyResult<&'a [T]> {
+    if !a.as_array().is_standard_layout() {
+        return Err(PyTypeError::new_err(
+            "padded rows must be C-contiguous (row-major) arrays; use np.ascontiguousarray",
+        ));
+    }
     Ok(a.as_slice()?)
 }
 
