@@ -300,3 +300,16 @@ def test_the_readme_table_lists_the_declared_fields_in_order() -> None:
     section = readme.read_text(encoding="utf-8").split("### Batch fields", 1)[1]
     rows = re.findall(r"^\| `(\w+)` \|", section, flags=re.MULTILINE)
     assert rows[: len(FIELDS)] == [f.name for f in FIELDS]
+
+
+@dataclasses.dataclass(frozen=True)
+class _WithSmoothing(BatchOptions):
+    label_smoothing: float = 0.0
+
+
+def test_a_subclass_keeps_its_own_fields_through_pickle() -> None:
+    """Options travel to loader workers by pickle: a subclass's additions come back too."""
+    opts = _WithSmoothing(pad_token_id=3, label_smoothing=0.1)
+    back = pickle.loads(pickle.dumps(opts))
+    assert type(back) is _WithSmoothing and back == opts and back.label_smoothing == 0.1
+    assert back.native.pad_token_id == 3

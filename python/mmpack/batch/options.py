@@ -98,7 +98,8 @@ class BatchOptions:
     def __reduce__(self) -> tuple[Any, ...]:
         # The native value does not pickle; the options rebuild it (the encoder holding them
         # crosses into data-loader workers).
-        return (type(self), tuple(getattr(self, name) for name in OPTION_NAMES))
+        # (every field of the value's own class, so a subclass keeps its additions)
+        return (type(self), tuple(getattr(self, f.name) for f in dataclasses.fields(self)))
 
     @property
     def native(self) -> _native.BatchOptions:
