@@ -159,6 +159,13 @@ class BatchOptionError(BatchError):
     ignore_index that is a token id of the batch, a pack longer than pad_to_length).
     """
 
+class BatchOptionTypeError(BatchOptionError, TypeError):
+    """
+    A batch option of the wrong type (a bool or a float for an int, a string or a mapping for the
+    roles), or options= together with a keyword that contradicts it. A ``BatchOptionError`` like
+    every bad option, and a ``TypeError`` as Python's own argument errors are.
+    """
+
 class BatchLayoutError(BatchError):
     """
     The fields of a batch disagree with each other (a PackedBatch or PaddedBatch built by hand, or

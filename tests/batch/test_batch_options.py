@@ -19,7 +19,6 @@ import torch
 from mmpack import _native
 from mmpack.batch import (
     BatchOptions,
-    BatchOptionTypeError,
     EncodedSample,
     PackedBatch,
     micro_batch,
@@ -28,7 +27,7 @@ from mmpack.batch import (
 from mmpack.batch.fields import FIELDS, PADDED_FIELDS, THD_FIELDS
 from mmpack.batch.options import OPTION_NAMES, BatchOptionKeywords
 from mmpack.batch.padded import PaddedBatch, pad_samples
-from mmpack.errors import BatchLayoutError, BatchOptionError
+from mmpack.errors import BatchLayoutError, BatchOptionError, BatchOptionTypeError
 
 BAD_VALUES = [
     ("loss_mask_mode", "roles", False),

@@ -86,7 +86,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from mmpack.batch.options import BatchOptions, BatchOptionTypeError
+    from mmpack.batch.options import BatchOptions
     from mmpack.batch.padded import PaddedBatch, pad_samples
     from mmpack.batch.samples import EncodedSample
     from mmpack.batch.thd import PackedBatch, merge_media, micro_batch, pack_samples
@@ -94,7 +94,6 @@ if TYPE_CHECKING:
 # Imported on first use: the batch builders need torch, masks need numpy alone.
 _EXPORTS = {
     "BatchOptions": "mmpack.batch.options",
-    "BatchOptionTypeError": "mmpack.batch.options",
     "EncodedSample": "mmpack.batch.samples",
     "PackedBatch": "mmpack.batch.thd",
     "merge_media": "mmpack.batch.thd",
@@ -105,7 +104,6 @@ _EXPORTS = {
 }
 
 __all__ = [
-    "BatchOptionTypeError",
     "BatchOptions",
     "EncodedSample",
     "PackedBatch",

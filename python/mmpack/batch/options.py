@@ -14,18 +14,11 @@ from typing import Any, TypedDict
 
 from mmpack import _native
 from mmpack._coerce import I64_MAX, I64_MIN, option_int, role_list
-from mmpack.errors import BatchOptionError
+from mmpack.errors import BatchOptionError, BatchOptionTypeError
 
-__all__ = ["BatchOptionKeywords", "BatchOptionTypeError", "BatchOptions", "resolve_options"]
+__all__ = ["BatchOptionKeywords", "BatchOptions", "resolve_options"]
 
 LOSS_MASK_MODES = (None, "precomputed")
-
-
-class BatchOptionTypeError(BatchOptionError, TypeError):
-    """A batch option of the wrong type (a bool or a float for an int, a string for the
-    roles), or ``options=`` together with a keyword that contradicts it. A
-    ``BatchOptionError`` like every bad option, and a ``TypeError`` as Python's own argument
-    errors are."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -116,6 +116,10 @@ error_table! {
     BatchOptionError("BatchError") in "batch": "A batch-builder option is out of range or breaks \
         the batch's fields (a negative pad_token_id, an ignore_index that is a token id of the \
         batch, a pack longer than pad_to_length).";
+    BatchOptionTypeError("BatchOptionError", "TypeError") in "batch": "A batch option of the \
+        wrong type (a bool or a float for an int, a string or a mapping for the roles), or \
+        options= together with a keyword that contradicts it. A ``BatchOptionError`` like every \
+        bad option, and a ``TypeError`` as Python's own argument errors are.";
     BatchLayoutError("BatchError") in "batch": "The fields of a batch disagree with each other (a \
         PackedBatch or PaddedBatch built by hand, or packs that cannot form one micro-batch); the \
         message names the field, the sample and the position.";
