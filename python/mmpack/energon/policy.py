@@ -5,9 +5,9 @@ clear error instead of training on nothing or looping forever.
   ``SkipSample`` and is counted per reason. `check_conversation` runs before the sample is
   encoded (so it reads no media, not even a header): no turns, ends on a user turn.
   `check_sample` runs once on the encoded sample and reads what the encoder counted: nothing
-  trainable, longer than the capacity, more media than the media capacity. Malformed samples
-  raise typed errors (`SampleFormatError`; `LossMaskError` from the encoder), which Energon's
-  failure tolerance handles.
+  trainable, longer than the capacity once padded as the packs are, more media than the media
+  capacity. Malformed samples raise typed errors (`SampleFormatError`; `LossMaskError` from
+  the encoder), which Energon's failure tolerance handles.
 * Undeclared modalities (`check_conversation`): media of a kind the config does not declare in
   ``modalities`` stops the job at the first such sample (`UndeclaredModalityError`, raised as
   Energon's ``FatalSampleError``), naming the kind and the setting to change; with
@@ -30,6 +30,7 @@ from megatron.energon import SkipSample, stateless
 from megatron.energon.errors import FatalSampleError
 from megatron.energon.task_encoder.base import get_failure_tolerance, get_stateless
 
+from mmpack.batch.options import BatchOptions
 from mmpack.energon.config import KNOWN_MODALITIES, PackingEncoderConfig
 from mmpack.energon.samples import Conversation, EncodedConversation
 from mmpack.energon.stats import LoaderStats
@@ -203,11 +204,15 @@ def check_sample(
     conversation: Conversation,
     encoded: EncodedConversation,
     skip: SkipFn,
+    *,
+    options: BatchOptions | None = None,
 ) -> None:
     """Raise ``skip(...)`` for an encoded sample that is bad by policy, or `SampleFormatError`
     for one that is too big under ``on_oversize="error"``. Reads what the conversation encoder
     counted (`EncodedConversation.trainable_tokens`; its mask inputs were validated there);
-    `check_conversation` has already checked the conversation's structure."""
+    `check_conversation` has already checked the conversation's structure. A sample is too
+    long when its padded length (``options.padded_length``, the batch options the packs are
+    built with; default the config's) exceeds ``capacity``: what it takes in a pack."""
     key = conversation.__key__
     if encoded.trainable_tokens is None:
         raise SampleFormatError(
@@ -216,8 +221,14 @@ def check_sample(
         )
     if encoded.trainable_tokens == 0:
         raise skip(conversation, "empty_trainable_mask", "no token is trainable")
-    if encoded.num_tokens > config.capacity:
-        detail = f"{encoded.num_tokens} tokens > capacity {config.capacity}"
+    if options is None:
+        options = config.batch_options()
+    padded = options.padded_length(encoded.num_tokens)
+    if padded > config.capacity:
+        detail = f"{encoded.num_tokens} tokens"
+        if padded != encoded.num_tokens:
+            detail += f", padded to {padded} (a multiple of {options.padding_multiple})"
+        detail += f" > capacity {config.capacity}"
         if config.on_oversize == "error":
             raise SampleFormatError(f"sample {key!r} is too long: {detail} (on_oversize='error')")
         raise skip(conversation, "oversize", detail)
