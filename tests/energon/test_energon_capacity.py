@@ -163,14 +163,35 @@ def test_padded_length_is_one_function_shared_by_planner_check_and_builder(
         enc.preencode_sample(_conversation("over", fits + 1))
 
 
+def test_the_planner_and_the_oversize_check_read_the_one_pack_length(
+    tokenizer: Any, worker: Any
+) -> None:
+    class Reserves(RecordsPlans):
+        """Reserves 8 positions per sample (a subclass may count positions its own way)."""
+
+        def pack_length(self, sample: Any) -> int:
+            return super().pack_length(sample) + 8
+
+    enc = Reserves(
+        PackingEncoderConfig(capacity=64, pad_to_multiple_of=8, modalities=[]),
+        tokenizer=tokenizer,
+        processor={"patch_size": PATCH_SIZE},
+    )
+    kept = enc.preencode_sample(_conversation("kept", 56 - OVERHEAD))
+    with pytest.raises(SkipSample, match=r"57 tokens, padded to 72 .* > capacity 64"):
+        enc.preencode_sample(_conversation("over", 57 - OVERHEAD))
+    enc.select_samples_to_pack([kept, kept])
+    assert enc.planned[-1] == [64, 64]
+
+
 def test_oversize_under_error_names_the_sample_and_its_padded_length(
     tokenizer: Any, worker: Any
 ) -> None:
     enc = _encoder(tokenizer, pad_to_multiple_of=8, on_oversize="error")
     with pytest.raises(
         SampleFormatError,
-        match=r"sample 'long' is too long: 70 tokens, padded to 72 \(a multiple of 8\) > "
-        r"capacity 64",
+        match=r"sample 'long' is too long: 70 tokens, padded to 72 \(pad_to_multiple_of=8, "
+        r"cp_size=1\) > capacity 64",
     ):
         enc.preencode_sample(_conversation("long", 70 - OVERHEAD))
 

@@ -30,7 +30,6 @@ from megatron.energon import SkipSample, stateless
 from megatron.energon.errors import FatalSampleError
 from megatron.energon.task_encoder.base import get_failure_tolerance, get_stateless
 
-from mmpack.batch.options import BatchOptions
 from mmpack.energon.config import KNOWN_MODALITIES, PackingEncoderConfig
 from mmpack.energon.samples import Conversation, EncodedConversation
 from mmpack.energon.stats import LoaderStats
@@ -205,14 +204,14 @@ def check_sample(
     encoded: EncodedConversation,
     skip: SkipFn,
     *,
-    options: BatchOptions | None = None,
+    pack_length: int | None = None,
 ) -> None:
     """Raise ``skip(...)`` for an encoded sample that is bad by policy, or `SampleFormatError`
     for one that is too big under ``on_oversize="error"``. Reads what the conversation encoder
     counted (`EncodedConversation.trainable_tokens`; its mask inputs were validated there);
     `check_conversation` has already checked the conversation's structure. A sample is too
-    long when its padded length (``options.padded_length``, the batch options the packs are
-    built with; default the config's) exceeds ``capacity``: what it takes in a pack."""
+    long when its `pack_length` (the positions it takes in a pack, padding included; default
+    its tokens padded by the config's batch options) exceeds ``capacity``."""
     key = conversation.__key__
     if encoded.trainable_tokens is None:
         raise SampleFormatError(
@@ -221,13 +220,15 @@ def check_sample(
         )
     if encoded.trainable_tokens == 0:
         raise skip(conversation, "empty_trainable_mask", "no token is trainable")
-    if options is None:
-        options = config.batch_options()
-    padded = options.padded_length(encoded.num_tokens)
-    if padded > config.capacity:
+    if pack_length is None:
+        pack_length = config.batch_options().padded_length(encoded.num_tokens)
+    if pack_length > config.capacity:
         detail = f"{encoded.num_tokens} tokens"
-        if padded != encoded.num_tokens:
-            detail += f", padded to {padded} (a multiple of {options.padding_multiple})"
+        if pack_length != encoded.num_tokens:
+            detail += (
+                f", padded to {pack_length} (pad_to_multiple_of={config.pad_to_multiple_of}, "
+                f"cp_size={config.cp_size})"
+            )
         detail += f" > capacity {config.capacity}"
         if config.on_oversize == "error":
             raise SampleFormatError(f"sample {key!r} is too long: {detail} (on_oversize='error')")

@@ -5,7 +5,8 @@ Pipeline per worker (Energon 7.4): cooker (lazy `Conversation`) -> ``preencode_s
 that read no media: undeclared modalities, turn structure; then the conversation encoder chosen
 at construction (`mmpack.energon.conversation_encoder`) makes tokens and validated mask inputs,
 and the policy reads its counts; users override `encode_conversation`) ->
-``select_samples_to_pack`` (every buffered sample lands in exactly one pack) ->
+``select_samples_to_pack`` (every buffered sample lands in exactly one pack, planned on its
+padded length, `PackingTaskEncoder.pack_length`, so no pack exceeds ``capacity``) ->
 ``postencode_sample`` (decodes the media of that selected sample only, through the decoder chosen
 at construction (`mmpack.energon.decoders`), and checks that each item takes the tokens it was
 encoded with) -> ``pack_selected_samples`` (one `PackedBatch`) -> ``batch``.
@@ -286,7 +287,9 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
         long when its `pack_length` exceeds ``capacity``); reads the counts of `encoded` (never
         rebuilds its mask). Override to add rules; call ``self._skip(sample, reason,
         detail)``."""
-        check_sample(self.config, conversation, encoded, self._skip, options=self.batch_options)
+        check_sample(
+            self.config, conversation, encoded, self._skip, pack_length=self.pack_length(encoded)
+        )
 
     def pack_length(self, sample: EncodedConversation) -> int:
         """The positions `sample` takes in a pack: its tokens padded as the batch builder pads
