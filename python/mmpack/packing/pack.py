@@ -70,6 +70,10 @@ def pack(
 ) -> Packing:
     """Packs items of the given ``lengths`` into bins of ``capacity`` tokens.
 
+    A length is what the item takes in a bin: for batches padded per sample, its padded
+    length (``mmpack.batch.BatchOptions.padded_length``), so that a bin's padded total fits
+    ``capacity``.
+
     ``media`` / ``media_capacity`` add a second budget (image tiles, audio frames) that every
     bin also respects; ``max_items_per_bin`` caps the item count. ``min_bins`` /
     ``bins_multiple_of`` then raise the bin count NeMo-RL's way (moving single items into new
