@@ -146,7 +146,7 @@ def test_every_pack_fits_the_capacity_padded_and_every_sample_is_accounted_for(
 
 
 @pytest.mark.parametrize(("pad", "cp"), [(8, 1), (1, 4), (6, 2), (16, 2)])
-def test_padded_length_is_one_function_shared_by_planner_check_and_builder(
+def test_padded_length_rounds_to_the_padding_multiple_and_bounds_the_oversize_check(
     tokenizer: Any, worker: Any, pad: int, cp: int
 ) -> None:
     multiple = _multiple(pad, cp)
