@@ -173,7 +173,7 @@ impl fmt::Display for CoreError {
             ),
             Self::ShardNotDivisible { rows, shards } => write!(
                 f,
-                "cannot split {rows} rows into {shards} equal shards: \
+                "cannot split {rows} rows into {shards} equal shards (num_shards={shards}): \
                  {rows} is not a multiple of {shards}"
             ),
             Self::Repeats { repeats } => {

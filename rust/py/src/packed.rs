@@ -5,9 +5,9 @@
 //! Operations that select or merge physical segments also take the value's `tensors` list and
 //! return the output list, built here while attached, so the Python layer does no per-segment
 //! work. O(n) core work runs with the GIL released.
-use mmpack_core::CoreError;
 use mmpack_core::csr::{self, ConcatInput, ConcatMode, ConcatOutcome, PackedLayout, Selection};
 use mmpack_core::intern::{self, prov_to_bytes, ProvId};
+use mmpack_core::CoreError;
 use numpy::{IntoPyArray, PyArray1, PyArrayMethods};
 use pyo3::exceptions::{PyAttributeError, PyTypeError, PyValueError};
 use pyo3::intern;
