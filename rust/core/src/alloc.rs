@@ -38,6 +38,17 @@ pub fn vec_with_capacity<T>(len: usize, err: impl Fn() -> CoreError) -> CoreResu
     Ok(v)
 }
 
+/// A copy of `values`, or `err()` when the allocator refuses (a copy of a buffer the caller
+/// made from a size, such as the zeroed row offsets of `num_rows` empty rows).
+///
+/// # Errors
+/// `err()` when the allocator refuses.
+pub fn try_to_vec<T: Copy>(values: &[T], err: impl Fn() -> CoreError) -> CoreResult<Vec<T>> {
+    let mut v = vec_with_capacity(values.len(), err)?;
+    v.extend_from_slice(values);
+    Ok(v)
+}
+
 /// Sum of `parts`, each `(len, bytes per value)`, or `None` on overflow.
 #[must_use]
 pub fn total_bytes(parts: &[(usize, usize)]) -> Option<usize> {
@@ -70,5 +81,6 @@ mod tests {
         assert_eq!(probe(Some(1 << 20), refused), Ok(()));
         let v = vec_with_capacity::<i64>(10, refused).unwrap_or_default();
         assert!(v.capacity() >= 10 && v.is_empty());
+        assert_eq!(try_to_vec(&[1, 2, 3], refused), Ok(vec![1, 2, 3]));
     }
 }
