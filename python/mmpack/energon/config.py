@@ -326,5 +326,6 @@ def _is_int(value: object) -> bool:
 
 
 def _positive_int(name: str, value: object) -> None:
-    if not _is_int(value) or int(value) < 1:  # type: ignore[call-overload]
-        raise EnergonConfigError(f"{name} must be a positive integer, got {value!r}")
+    # (int64 at most: every size and count crosses into the native core as one)
+    if not _is_int(value) or not 1 <= int(value) <= 2**63 - 1:  # type: ignore[call-overload]
+        raise EnergonConfigError(f"{name} must be a positive integer in int64, got {value!r}")
