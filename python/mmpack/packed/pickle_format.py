@@ -52,6 +52,7 @@ import torch
 
 from mmpack._native import LayoutError, MmpackError, PackedLayout
 from mmpack.errors import LayoutMismatchError
+from mmpack.packed import ray_store as _ray_store
 from mmpack.packed.pickle_operation import (
     GROUP_FORMAT,
     SEGMENTS_FORMAT,
@@ -68,7 +69,9 @@ if TYPE_CHECKING:
 __all__ = ["FIELDS", "RAW_FIELDS", "STATE_KEY", "reduce", "restore"]
 
 #: The instance attributes every value has (``_layout`` is the native handle).
-FIELDS = frozenset(("tensors", "dim_to_pack", "pad_to_max_shape", "_layout"))
+#: ``_store`` holds the segments of a value read in place from Ray's object store, until
+#: ``tensors`` is first read (``mmpack.packed.ray_store``).
+FIELDS = frozenset(("tensors", "dim_to_pack", "pad_to_max_shape", "_layout", "_store"))
 #: NeMo-RL's row mapping and provenance attributes, as its ``__dict__`` states hold them.
 RAW_FIELDS = ("_row_offsets", "_segment_indices", "_segment_provenance")
 CORRUPT = "corrupt PackedTensor pickle"
@@ -88,7 +91,8 @@ def reduce(value: PackedTensor, group_class: type[PackedTensor]) -> tuple[Any, .
     """``value.__reduce_ex__``'s result: the reconstructor and the state described above; the
     groups it makes unpickle as ``group_class``."""
     lay = value._lay()
-    tensors = value.tensors
+    for_ray = _ray_store.serializing_for_ray()
+    tensors = value._phys() if for_ray else value.tensors
     layout_state = None
     if lay is not None:
         offsets, indices = lay.offsets(), lay.indices()
@@ -102,6 +106,17 @@ def reduce(value: PackedTensor, group_class: type[PackedTensor]) -> tuple[Any, .
     if extra:
         _refuse_shadowing(type(value), extra, lambda why: _unwritable(value, why))
     dim_to_pack, pad_to_max_shape = _written_fields(value)
+    if for_ray:
+        blob = lay.provenance_blob() if lay is not None else None
+        state = {
+            STATE_KEY: 1,
+            "dim_to_pack": dim_to_pack,
+            "pad_to_max_shape": pad_to_max_shape,
+            "layout": layout_state,
+            "segments": _ray_store.encode_segments(tensors, blob),
+            "extra": extra,
+        }
+        return (copyreg._reconstructor, (type(value), object, None), state)  # type: ignore[attr-defined]
     op = THREADS.op()
     plan = plan_segments(tensors, op, group_class)
     state = {
@@ -340,7 +355,9 @@ def _restore_fields(obj: PackedTensor, state: dict[str, Any]) -> None:
         obj.pad_to_max_shape = False
         obj._layout = None
         return
-    tensors = _decode_segments(state["segments"])
+    segments = state["segments"]
+    in_store = isinstance(segments, tuple) and segments[:1] == (_ray_store.STORE_FORMAT,)
+    tensors = _ray_store.decode_segments(segments) if in_store else _decode_segments(segments)
     lay = None
     layout_state = state["layout"]
     if layout_state is not None:
@@ -366,7 +383,10 @@ def _restore_fields(obj: PackedTensor, state: dict[str, Any]) -> None:
         raise LayoutError(f"{CORRUPT}: extra attributes must be a dict of non-field names")
     if extra:
         _refuse_shadowing(type(obj), extra, _corrupt)
-    obj.tensors = tensors
+    if in_store:
+        obj._store = tensors  # read in place; ``tensors`` makes private copies on first read
+    else:
+        obj.tensors = tensors
     obj.dim_to_pack = fields["dim_to_pack"]
     obj.pad_to_max_shape = fields["pad_to_max_shape"]
     obj._layout = lay
