@@ -161,7 +161,7 @@ class StoreSegment:
     @property
     def array(self) -> np.ndarray:
         """The segment's bytes (read-only ``uint8``, C order)."""
-        return self.chunk.arrays[self.j]  # type: ignore[no-any-return]
+        return self.chunk.arrays[self.j]
 
     @property
     def dtype(self) -> torch.dtype:

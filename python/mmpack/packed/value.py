@@ -202,6 +202,7 @@ class PackedTensor:
     # Class-level default: values built by ``__new__`` + ``__dict__`` assignment (old pickles,
     # NeMo-RL's own tests) have no handle yet; ``_lay()`` adopts their raw fields on first use.
     _layout: Any = _MISSING
+    _store: list[Any]
     tensors: list[Any] = _PrivateTensors()  # type: ignore[assignment]
     dim_to_pack: Any
     pad_to_max_shape: Any
@@ -253,9 +254,7 @@ class PackedTensor:
         store = self.__dict__.get("_store")
         return self._tensor_list() if store is None else store
 
-    def _remake(
-        self, phys: list[Any], new: list[Any], layout: PackedLayout | None
-    ) -> PackedTensor:
+    def _remake(self, phys: list[Any], new: list[Any], layout: PackedLayout | None) -> PackedTensor:
         """A value over ``new`` (selected from ``phys``, what ``_phys()`` gave), read in place
         like ``self`` when ``phys`` was its store views."""
         if phys is self.__dict__.get("_store"):
@@ -455,7 +454,7 @@ class PackedTensor:
                 store, indices, self.dim_to_pack, self.pad_to_max_shape, out, pin_memory
             )
             if result is not _gather.NOT_COVERED:
-                return result  # type: ignore[no-any-return]
+                return result
         return _gather.as_tensor(
             self.tensors,
             indices,
