@@ -50,6 +50,7 @@ __all__ = [
     "enabled",
     "encode_segments",
     "private_copies",
+    "put_refs",
     "serializing_for_ray",
     "store_counters",
 ]
@@ -90,10 +91,12 @@ def serializing_for_ray() -> bool:
     worker_module = sys.modules.get("ray._private.worker")
     if worker_module is None:
         return False
-    worker = worker_module.global_worker
-    if not getattr(worker, "connected", False):
+    # Ray flags the serializing thread on its job's serialization context; looking the
+    # context up by job id costs microseconds a value, and there is one context a job.
+    contexts = getattr(worker_module.global_worker, "serialization_context_map", None)
+    if not contexts:
         return False
-    return bool(worker.get_serialization_context().is_in_band_serialization())
+    return any(ctx.is_in_band_serialization() for ctx in list(contexts.values()))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -127,6 +130,15 @@ _COUNTERS = StoreCounters()
 def store_counters() -> StoreCounters:
     """This process's object-store counters (a live object; ``reset()`` zeroes them)."""
     return _COUNTERS
+
+
+def put_refs() -> list[Any]:
+    """The chunks this process put that a live segment still maps to (one ``ObjectRef``
+    each): what ``ray.experimental.get_object_locations`` can follow across nodes."""
+    seen: dict[Any, None] = {}
+    for entry in list(_PUT.values()):
+        seen.setdefault(entry.ref, None)
+    return list(seen)
 
 
 # ---------------------------------------------------------------------------------------------
