@@ -455,6 +455,8 @@ class PackedTensor:
             )
             if result is not _gather.NOT_COVERED:
                 return result
+        elif store is not None and device is not None:
+            self.to(device)  # staged to the device straight from the store, in place
         return _gather.as_tensor(
             self.tensors,
             indices,
@@ -470,9 +472,12 @@ class PackedTensor:
         unique segment moves once (to CUDA through one pinned staging buffer per dtype;
         ``non_blocking`` applies only towards CUDA). See
         ``mmpack.packed.transfer.move_segments``."""
-        self.__dict__["tensors"] = _transfer.move_segments(
-            self.tensors, device, non_blocking=non_blocking
+        d = self.__dict__
+        store = d.get("_store")
+        d["tensors"] = _transfer.move_segments(
+            self.tensors if store is None else store, device, non_blocking=non_blocking
         )
+        d.pop("_store", None)
         return self
 
     def to_dtype(self, dtype: torch.dtype) -> PackedTensor:
