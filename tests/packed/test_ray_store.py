@@ -140,6 +140,20 @@ def test_put_once_read_in_place_and_back_to_baseline() -> None:
     assert "_store" in back.__dict__
     want_all = batch.as_tensor()
     assert want_all is not None and torch.equal(back.as_tensor(), want_all)
+    # row selections and copies of it stay in place (no private copy until one is handed out)
+    derived = {
+        "slice": back.slice([0, 5]),
+        "shard": back.shard(2)[1],
+        "repeat_interleave": back.repeat_interleave(2),
+        "to_dtype(same)": back.to_dtype(torch.float32),
+        "deepcopy": copy.deepcopy(back),
+    }
+    for name, value in derived.items():
+        assert "_store" in value.__dict__, name
+    rows = batch.slice([0, 5]).as_tensor()
+    assert rows is not None and torch.equal(derived["slice"].as_tensor(), rows)
+    assert "_store" in back.__dict__
+    del derived, value
 
     del results, batch_ref, back, shards, batch, expected
     gc.collect()
@@ -194,6 +208,7 @@ APIS: dict[str, Callable[[PackedTensor], Any]] = {
     "shard": lambda v: v.shard(2),
     "repeat_interleave": lambda v: v.repeat_interleave(2),
     "to_dtype": lambda v: v.to_dtype(torch.float16).tensors,
+    "to_dtype(same)": lambda v: v.to_dtype(torch.float32).tensors,
     "copy": lambda v: copy.copy(v),
     "deepcopy": lambda v: copy.deepcopy(v),
     "concat": lambda v: PackedTensor.concat([v, v]),

@@ -345,6 +345,8 @@ def _restore_mmpack(obj: PackedTensor, state: dict[str, Any]) -> None:
     except MmpackError:
         raise
     except Exception as exc:  # a decoding boundary: every failure means a corrupt state
+        if type(exc).__module__.startswith("ray."):
+            raise  # the object store's own errors (an owner that died, ...) say what happened
         raise LayoutError(f"{CORRUPT}: {type(exc).__name__}: {exc}") from exc
 
 

@@ -196,6 +196,9 @@ class StoreSegment:
     def element_size(self) -> int:
         return self.dtype.itemsize
 
+    def is_floating_point(self) -> bool:
+        return self.dtype.is_floating_point
+
     def private(self) -> torch.Tensor:
         """A private, writable copy of the segment."""
         out = torch.empty(self.shape, dtype=self.dtype)

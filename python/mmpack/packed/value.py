@@ -483,12 +483,15 @@ class PackedTensor:
     def to_dtype(self, dtype: torch.dtype) -> PackedTensor:
         """A new wrapper with floating segments cast to ``dtype``. Integer segments and ``None``
         stay the same objects. A real cast mints fresh provenance for every segment."""
-        tensors = self.tensors
+        store = self.__dict__.get("_store")
         requires = any(
             item is not None and item.is_floating_point() and item.dtype != dtype
-            for item in tensors
+            for item in (self.tensors if store is None else store)
         )
         lay = self._lay()
+        if store is not None and not requires:  # nothing to cast: still read in place
+            return type(self)._make_store(list(store), self.dim_to_pack, self.pad_to_max_shape, lay)
+        tensors = self.tensors
         if requires:
             new = [
                 item if item is None or not item.is_floating_point() else item.to(dtype=dtype)
