@@ -42,12 +42,9 @@ def _store_on(ray_session: Any) -> Iterator[None]:
 
 
 def store_used() -> float:
-    """Bytes in use in the object store (Ray reports them as the unavailable part of the
-    ``object_store_memory`` resource, refreshed on the raylet's heartbeat)."""
+    """Bytes in use in the object store, after the raylet's next report."""
     time.sleep(0.4)
-    return ray.cluster_resources()["object_store_memory"] - ray.available_resources().get(
-        "object_store_memory", 0.0
-    )
+    return ray_store.store_used_bytes()
 
 
 def wait_store(predicate: Callable[[float], bool], timeout: float = 20.0) -> float:

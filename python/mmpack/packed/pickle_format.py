@@ -116,6 +116,7 @@ def reduce(value: PackedTensor, group_class: type[PackedTensor]) -> tuple[Any, .
             "segments": _ray_store.encode_segments(tensors, blob),
             "extra": extra,
         }
+        THREADS.pending = None  # no group of this value: the pickler's class lookup starts nothing
         return (copyreg._reconstructor, (type(value), object, None), state)  # type: ignore[attr-defined]
     op = THREADS.op()
     plan = plan_segments(tensors, op, group_class)

@@ -53,6 +53,7 @@ __all__ = [
     "put_refs",
     "serializing_for_ray",
     "store_counters",
+    "store_used_bytes",
 ]
 
 #: The segments tuple of a value pickled for Ray: ``(STORE_FORMAT, codes, pos, refs, others)``,
@@ -132,6 +133,16 @@ def store_counters() -> StoreCounters:
     return _COUNTERS
 
 
+def store_used_bytes() -> float:
+    """Bytes in use in the object stores of the running Ray cluster (Ray reports them as the
+    unavailable part of the ``object_store_memory`` resource, refreshed on each raylet's
+    heartbeat): a run's store memory before and after, to see it return to its baseline."""
+    import ray
+
+    total = ray.cluster_resources().get("object_store_memory", 0.0)
+    return float(total - ray.available_resources().get("object_store_memory", 0.0))
+
+
 def put_refs() -> list[Any]:
     """The chunks this process put that a live segment still maps to (one ``ObjectRef``
     each): what ``ray.experimental.get_object_locations`` can follow across nodes."""
@@ -165,6 +176,8 @@ class StoreSegment:
     dtype and shape. It holds its chunk (and so the chunk's ``ObjectRef``) alive."""
 
     __slots__ = ("chunk", "j")
+    #: what ``mmpack.packed.transfer`` recognises a store view by
+    read_in_place = True
 
     def __init__(self, chunk: _Chunk, j: int) -> None:
         self.chunk = chunk

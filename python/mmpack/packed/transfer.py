@@ -150,15 +150,19 @@ def host_buffer(shape: Sequence[int], dtype: torch.dtype, pin_memory: bool) -> t
 # device moves
 
 
+def _in_store(t: Any) -> bool:
+    """A segment read in place from Ray's object store (``ray_store.StoreSegment``, which
+    depends on this module, hence the marker rather than the class)."""
+    return type(t) is not torch.Tensor and getattr(t, "read_in_place", False) is True
+
+
 def _stage(
     segs: Sequence[Any], target: torch.device, *, non_blocking: bool, pin_memory: bool
 ) -> list[torch.Tensor]:
     """Copy same-dtype CPU tensors into one (pinned) staging buffer with the native gather,
     move that buffer to ``target`` in one copy, and return views of it shaped like ``segs``."""
-    from mmpack.packed.ray_store import StoreSegment
-
     # store views (read in place from Ray's object store) are gathered from their bytes
-    sources = [s.array if isinstance(s, StoreSegment) else byte_view(s.contiguous()) for s in segs]
+    sources = [s.array if _in_store(s) else byte_view(s.contiguous()) for s in segs]
     shapes = [s.shape for s in segs]
     numels = [math.prod(shape) for shape in shapes]
     staging = torch.empty(sum(numels), dtype=segs[0].dtype, pin_memory=pin_memory)
@@ -197,12 +201,10 @@ def move_segments(
     staged: dict[torch.dtype, list[Any]] = {}
     direct_bytes = 0
     direct_copies = 0
-    from mmpack.packed.ray_store import StoreSegment
-
     for t in tensors:
         if t is None or id(t) in moved:
             continue
-        if isinstance(t, StoreSegment):  # read-only store bytes: staged, or a private copy
+        if _in_store(t):  # read-only store bytes: staged, or a private copy
             if to_cuda and t.numel() > 0:
                 staged.setdefault(t.dtype, []).append(t)
                 moved[id(t)] = None
