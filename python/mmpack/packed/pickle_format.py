@@ -33,6 +33,12 @@ belong to one operation, and what a group writes when another operation referenc
 ``mmpack.packed.pickle_operation``'s concern: a payload depends only on the values pickled into it.
 A group member that no value of the payload references may be an empty placeholder.
 
+**Through Ray.** While Ray's serializer runs (and the object-store path is on, see
+``mmpack.packed.ray_store``), ``segments`` is ``("mmpack.store-segments/1", codes, pos, refs,
+others)`` instead: ``codes[i] == k >= 0`` is member ``pos[i]`` of the chunk ``refs[k]`` (an
+``ObjectRef``), each unique segment put into the object store once. Such a value restores with
+its segments read in place (``__dict__["_store"]``) until ``tensors`` is first read.
+
 **Reading.** ``restore`` takes that state, NeMo-RL's current six-field ``__dict__`` state and
 its pre-deduplication three-field one (``tensors``, ``dim_to_pack``, ``pad_to_max_shape``). Any
 inconsistency in a state (truncated or corrupt bytes) is a ``LayoutError`` starting with
