@@ -171,7 +171,7 @@ def test_a_segment_lives_while_a_shard_that_references_it_lives() -> None:
     del shards, batch
     gc.collect()
     # the driver holds nothing now: the actor's shards keep the chunk alive
-    assert wait_store(lambda u: u < base + unique, timeout=3) >= base + unique
+    assert wait_store(lambda u: u < base + unique, timeout=2) >= base + unique
     got = ray.get(holder.values.remote(), timeout=60)
     for g, want in zip(got, expected, strict=True):
         assert want is not None and g is not None and torch.equal(g, want)
