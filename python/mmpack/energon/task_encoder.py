@@ -132,6 +132,8 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
         self.model_processor = ModelProcessor(processor) if is_model_processor(processor) else None
         if self.model_processor is not None:
             check_model_processor(self.model_processor, cfg.modalities)
+            if cfg.media_capacity is not None:
+                self.model_processor.require_unit_rule()
             self.media_settings = MediaSettings()
             if tokenizer is None:
                 tokenizer = processor.tokenizer
