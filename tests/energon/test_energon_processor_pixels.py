@@ -5,6 +5,7 @@ converted before the processor, so its own RGB conversion composites transparenc
 
 from __future__ import annotations
 
+import functools
 import sys
 from pathlib import Path
 from typing import Any
@@ -28,6 +29,12 @@ FAMILIES = {
     "qwen2_5_vl": (lambda: qwen_vl_processor("qwen2_5_vl"), ("pixel_values", "image_grid_thw")),
     "llava": (llava.build_processor, ("pixel_values",)),
 }
+
+
+@functools.cache
+def processor_of(family: str) -> Any:
+    """One processor per family for the module (building the real tokenizer takes seconds)."""
+    return FAMILIES[family][0]()
 
 
 @pytest.fixture(scope="module")
@@ -82,8 +89,7 @@ def processor_output(processor: Any, images: list[Any]) -> dict[str, torch.Tenso
 def test_packed_pixels_equal_the_processors_own_on_the_same_files(
     family: str, files: dict[str, Path]
 ) -> None:
-    build, fields = FAMILIES[family]
-    processor = build()
+    processor, fields = processor_of(family), FAMILIES[family][1]
     paths = list(files.values())
     ours = packed_media(processor, paths)
     theirs = processor_output(processor, [Image.open(p) for p in paths])
@@ -101,7 +107,7 @@ def test_converting_before_the_processor_would_change_transparent_pixels(
 ) -> None:
     # what a conversion to RGB ahead of the processor (dropping alpha instead of compositing
     # it onto white) gives: the comparison above would catch it
-    processor = qwen_vl_processor("qwen2_vl")
+    processor = processor_of("qwen2_vl")
     for name in ("rgba.png", "la.png"):
         opened = processor_output(processor, [Image.open(files[name])])["pixel_values"]
         converted = processor_output(processor, [Image.open(files[name]).convert("RGB")])
@@ -114,7 +120,7 @@ def test_opaque_files_also_equal_transformers_load_image(files: dict[str, Path])
     # processor's compositing); for those both documented paths give the packed pixels
     from transformers.image_utils import load_image
 
-    processor = qwen_vl_processor("qwen2_vl")
+    processor = processor_of("qwen2_vl")
     opaque = [p for name, p in files.items() if name not in TRANSPARENT]
     ours = packed_media(processor, opaque)
     theirs = processor_output(processor, [load_image(str(p)) for p in opaque])

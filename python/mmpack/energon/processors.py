@@ -158,7 +158,9 @@ _QWEN_VL_UNITS = UnitRule(_merged_patches, lambda bridge, kind, values: _grid_ro
 MEDIA_UNIT_RULES: dict[str, UnitRule] = {
     "Qwen2VLProcessor": _QWEN_VL_UNITS,
     "Qwen2_5_VLProcessor": _QWEN_VL_UNITS,
-    "LlavaProcessor": UnitRule(_crop_patches, lambda bridge, kind, values: _crop_rows(bridge, values)),
+    "LlavaProcessor": UnitRule(
+        _crop_patches, lambda bridge, kind, values: _crop_rows(bridge, values)
+    ),
     "Qwen2AudioProcessor": UnitRule(
         _feature_frames, lambda bridge, kind, values: _feature_rows(values)
     ),
