@@ -34,6 +34,9 @@ class CountingDecoder:
     def output_keys(self, kind: str) -> tuple[str, ...]:
         return self.inner.output_keys(kind)
 
+    def padded_keys(self, kind: str) -> tuple[str, ...]:
+        return self.inner.padded_keys(kind)
+
     def count(self, handle: MediaHandle) -> int:
         return self.inner.count(handle)
 

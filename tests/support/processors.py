@@ -82,3 +82,29 @@ def image_files(root: Path) -> dict[str, Path]:
             img.save(path, fmt)
         paths[name] = path
     return paths
+
+
+def llava_next_processor() -> Any:
+    """LLaVA-NeXT's processor: its image processor's any-resolution tiling (small crops and
+    grid pinpoints, so the tests stay fast) and LLaVA's word-level tokenizer and template."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
+    import llava
+    from transformers import LlavaNextImageProcessor, LlavaNextProcessor
+
+    base = llava.build_processor()
+    crop = llava.CROP
+    image_processor = LlavaNextImageProcessor(
+        size={"shortest_edge": crop},
+        crop_size={"height": crop, "width": crop},
+        image_grid_pinpoints=[[crop, 2 * crop], [2 * crop, crop], [2 * crop, 2 * crop]],
+    )
+    return LlavaNextProcessor(
+        image_processor=image_processor,
+        tokenizer=base.tokenizer,
+        patch_size=llava.PATCH,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        chat_template=llava.CHAT_TEMPLATE,
+    )

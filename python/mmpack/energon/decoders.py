@@ -40,6 +40,12 @@ class MediaDecoder(Protocol):
         """The keys of the tensors a `kind` item decodes to."""
         ...
 
+    def padded_keys(self, kind: str) -> tuple[str, ...]:
+        """The keys among `output_keys` whose items differ beyond their leading dimension:
+        packed zero-padded to the largest item (``PackedTensor(pad_to_max_shape=True)``), as
+        the processor batches them."""
+        ...
+
     def count(self, handle: MediaHandle) -> int:
         """Tokens `handle` takes, from its metadata or header (nothing decoded)."""
         ...
@@ -64,6 +70,9 @@ class BuiltinDecoder:
 
     def output_keys(self, kind: str) -> tuple[str, ...]:
         return (MEDIA_KEYS[kind],)
+
+    def padded_keys(self, kind: str) -> tuple[str, ...]:
+        return ()
 
     def count(self, handle: MediaHandle) -> int:
         return handle.num_tokens(self.settings)
@@ -101,6 +110,7 @@ def decode_media(
     decoded for this pack, by provenance (filled with the ones decoded here)."""
     cls = packed_tensor_type
     rows: dict[str, list[Any]] = {k: [] for kind in modalities for k in decoder.output_keys(kind)}
+    padded = {k for kind in modalities for k in decoder.padded_keys(kind)}
     done: dict[bytes, DecodedMedia] = {} if decoded is None else decoded
     fresh = 0
     for index, handle in enumerate(media):
@@ -122,13 +132,22 @@ def decode_media(
                 raise SampleFormatError(
                     f"sample {sample_key!r}: decoding {handle.kind} {handle.key!r} gave no {name!r}"
                 )
-            rows[name].append(cls([value], 0, _segment_provenance=[provenance]))
+            rows[name].append(
+                cls([value], 0, pad_to_max_shape=name in padded, _segment_provenance=[provenance])
+            )
     out: dict[str, Any] = {}
     for name, items in rows.items():
         out[name] = (
             cls.merge_segments(items)
             if items
-            else cls([], 0, _row_offsets=[0, 0], _segment_indices=[], _segment_provenance=[])
+            else cls(
+                [],
+                0,
+                pad_to_max_shape=name in padded,
+                _row_offsets=[0, 0],
+                _segment_indices=[],
+                _segment_provenance=[],
+            )
         )
     return out, fresh
 

@@ -312,6 +312,9 @@ class MediaHandle:
         sizes = [v for v in declared if isinstance(v, int)]
         if len(sizes) == 3 and _positive(*sizes):
             return sizes[0], sizes[1], sizes[2]
+        cached: tuple[int, int, int] | None = self._sizes.get("video")
+        if cached is not None:
+            return cached
         try:
             import av
 
@@ -330,6 +333,7 @@ class MediaHandle:
                 f"sample {self.sample_key!r}: video {self.key!r} header gives {shape[0]} frames "
                 f"of {shape[2]}x{shape[1]}; declare 'frames', 'width' and 'height' in its metadata"
             )
+        self._sizes["video"] = shape
         return shape
 
     def num_tokens(self, settings: MediaSettings) -> int:

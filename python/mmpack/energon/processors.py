@@ -50,6 +50,7 @@ from mmpack.errors import MediaTokenCountError, ModalityConfigError, SampleForma
 __all__ = [
     "AUDIO_TOKEN_RULES",
     "MEDIA_UNIT_RULES",
+    "PADDED_KEYS",
     "ModelProcessor",
     "UnitRule",
     "is_model_processor",
@@ -105,7 +106,7 @@ AUDIO_TOKEN_RULES: dict[str, Callable[[int, Any], int]] = {
 }
 
 
-def _merged_patches(bridge: ModelProcessor, kind: str, tokens: int) -> int:
+def _merged_patches(bridge: ModelProcessor, kind: str, size: tuple[int, ...], tokens: int) -> int:
     # Qwen2-VL / Qwen2.5-VL: one placeholder token per merge_size x merge_size patches, and
     # the vision tower reads every patch (a row of pixel_values / pixel_values_videos)
     merge = int(bridge.setting(kind, "merge_size"))
@@ -117,7 +118,7 @@ def _grid_rows(kind: str, values: Mapping[str, Any]) -> int:
     return int(values[key].shape[0])
 
 
-def _crop_patches(bridge: ModelProcessor, kind: str, tokens: int) -> int:
+def _crop_patches(bridge: ModelProcessor, kind: str, size: tuple[int, ...], tokens: int) -> int:
     # LLaVA: every image is resized and cropped to crop_size; the vision tower reads its
     # (crop / patch_size)^2 patches, whatever the placeholder count (CLS, feature strategy)
     crop = bridge.setting(kind, "crop_size")
@@ -131,7 +132,7 @@ def _crop_rows(bridge: ModelProcessor, values: Mapping[str, Any]) -> int:
     return int(crops) * (int(height) // patch) * (int(width) // patch)
 
 
-def _feature_frames(bridge: ModelProcessor, kind: str, tokens: int) -> int:
+def _feature_frames(bridge: ModelProcessor, kind: str, size: tuple[int, ...], tokens: int) -> int:
     # Qwen2-Audio pads every clip's features to the extractor's 30 s window: the audio tower
     # reads nb_max_frames feature frames per clip
     return int(bridge.component("audio").nb_max_frames)
@@ -144,11 +145,33 @@ def _feature_rows(values: Mapping[str, Any]) -> int:
 @dataclasses.dataclass(frozen=True)
 class UnitRule:
     """How many rows an item costs the model's vision / audio tower (`media_capacity`'s unit):
-    ``before(bridge, kind, tokens)`` from the token count (nothing decoded), ``after(bridge,
-    kind, values)`` from the processor's real output (checked equal at construction)."""
+    ``before(bridge, kind, size, tokens)`` from the item's size (as `count_for_size` takes it)
+    and token count (nothing decoded), ``after(bridge, kind, values)`` from the processor's
+    real output (checked equal at construction)."""
 
-    before: Callable[[ModelProcessor, str, int], int]
+    before: Callable[[ModelProcessor, str, tuple[int, ...], int], int]
     after: Callable[[ModelProcessor, str, Mapping[str, Any]], int]
+
+
+def _anyres_patches(bridge: ModelProcessor, kind: str, size: tuple[int, ...], tokens: int) -> int:
+    # LLaVA-NeXT: the base crop plus the tiles of the best grid pinpoint for the image's size;
+    # the vision tower reads the (crop / patch_size)^2 patches of each (padding tiles dropped)
+    from transformers.image_processing_utils import select_best_resolution
+
+    height, width = size
+    crop = bridge.setting("image", "crop_size")
+    ch, cw = int(crop["height"]), int(crop["width"])
+    pinpoints = bridge.setting("image", "image_grid_pinpoints")
+    best_h, best_w = select_best_resolution((height, width), pinpoints)
+    tiles = (int(best_h) // ch) * (int(best_w) // cw) + 1
+    patch = int(bridge.processor.patch_size)
+    return tiles * (ch // patch) * (cw // patch)
+
+
+def _anyres_rows(bridge: ModelProcessor, values: Mapping[str, Any]) -> int:
+    _, tiles, _, height, width = values["pixel_values"].shape
+    patch = int(bridge.processor.patch_size)
+    return int(tiles) * (int(height) // patch) * (int(width) // patch)
 
 
 _QWEN_VL_UNITS = UnitRule(_merged_patches, lambda bridge, kind, values: _grid_rows(kind, values))
@@ -164,6 +187,20 @@ MEDIA_UNIT_RULES: dict[str, UnitRule] = {
     "Qwen2AudioProcessor": UnitRule(
         _feature_frames, lambda bridge, kind, values: _feature_rows(values)
     ),
+    "LlavaNextProcessor": UnitRule(
+        _anyres_patches,
+        lambda bridge, kind, values: _anyres_rows(bridge, values),
+    ),
+}
+
+#: processor class name -> media kind -> output keys whose per-item rows differ in a
+#: non-leading dimension (LLaVA-NeXT: one row per image of ``[tiles, 3, H, W]``, the tile
+#: count depending on the image's aspect ratio). They are packed as the processor batches
+#: them: zero-padded to the largest item (``PackedTensor(pad_to_max_shape=True)``); the model
+#: drops the padding from ``image_sizes``. A key whose rows differ that is not listed here
+#: refuses the processor at construction.
+PADDED_KEYS: dict[str, dict[str, tuple[str, ...]]] = {
+    "LlavaNextProcessor": {"image": ("pixel_values",)},
 }
 
 
@@ -302,7 +339,7 @@ class ModelProcessor:
         rule = self.unit_rule
         if rule is None:
             raise self._no_unit_rule()
-        return int(rule.before(self, handle.kind, tokens))
+        return int(rule.before(self, handle.kind, self.size_of(handle), tokens))
 
     def _no_unit_rule(self) -> ModalityConfigError:
         return ModalityConfigError(
@@ -352,9 +389,12 @@ class ModelProcessor:
                     f"the processor {self.name}'s token count for a {kind} of size {size} is "
                     f"{predicted}, but processing it gave {len(where)} placeholder tokens"
                 )
+            if kind == "image":
+                self._check_concatenable(kind, values)
             rule = self.unit_rule
             if rule is not None:
-                units, rows = rule.before(self, kind, predicted), rule.after(self, kind, values)
+                units = rule.before(self, kind, size, predicted)
+                rows = rule.after(self, kind, values)
                 if units != rows:
                     raise ModalityConfigError(
                         f"the processor {self.name}'s media units for a {kind} of size {size} "
@@ -363,6 +403,37 @@ class ModelProcessor:
 
     def output_keys(self, kind: str) -> tuple[str, ...]:
         return self._expansion(kind).keys
+
+    def padded_keys(self, kind: str) -> tuple[str, ...]:
+        """Output keys of `kind` packed zero-padded to the largest item (`PADDED_KEYS`)."""
+        return PADDED_KEYS.get(self.name, {}).get(kind, ())
+
+    def _check_concatenable(self, kind: str, values: Mapping[str, Any]) -> None:
+        """Refuse (`ModalityConfigError`) a processor whose rows of one key differ beyond the
+        leading dimension between a small wide image and a large square one (any-resolution
+        tilings give them different tile counts), unless `PADDED_KEYS` pads that key: such
+        rows cannot be concatenated into a pack, and would fail in the training loop at the
+        first pack holding two of them."""
+        other, _ = _probe_item(kind, self.component(kind), image_size=(448, 448))
+        try:
+            _, others = self._call(kind, other)
+        except Exception as err:
+            raise ModalityConfigError(
+                f"the processor {self.name} failed on a probe {kind} ({type(err).__name__}: {err})"
+            ) from err
+        padded = self.padded_keys(kind)
+        for key, value in values.items():
+            a, b = getattr(value, "shape", None), getattr(others.get(key), "shape", None)
+            if a is None or b is None or key in padded:
+                continue
+            if tuple(a[1:]) != tuple(b[1:]):
+                raise ModalityConfigError(
+                    f"the processor {self.name} gives {kind} {key!r} rows of shape "
+                    f"{tuple(a[1:])} for one item and {tuple(b[1:])} for another, so a pack "
+                    "of several cannot be concatenated, and mmpack has no padding rule for "
+                    f"it (PADDED_KEYS knows {sorted(PADDED_KEYS)}). Use a processor whose "
+                    "per-item rows share their shape"
+                )
 
     def expansion(self, kind: str, count: int) -> list[int]:
         """The token ids that replace one placeholder of `kind` for an item of `count`
@@ -404,17 +475,21 @@ class ModelProcessor:
             )
         return int(counts[0])
 
-    def count(self, handle: MediaHandle) -> int:
-        """Tokens `handle` takes, from its metadata or header (nothing decoded)."""
+    def size_of(self, handle: MediaHandle) -> tuple[int, ...]:
+        """`handle`'s size as `count_for_size` takes it, from its metadata or header."""
         if handle.kind == "image":
             width, height = handle.image_size()
-            return self.count_for_size("image", (height, width))
+            return (height, width)
         if handle.kind == "video":
-            return self.count_for_size("video", handle.video_shape())
+            return handle.video_shape()
         if handle.kind == "audio":
             rate = int(self.component("audio").sampling_rate)
-            return self.count_for_size("audio", (handle.audio_samples(rate),))
+            return (handle.audio_samples(rate),)
         raise SampleFormatError(f"sample {handle.sample_key!r}: unknown media kind {handle.kind!r}")
+
+    def count(self, handle: MediaHandle) -> int:
+        """Tokens `handle` takes, from its metadata or header (nothing decoded)."""
+        return self.count_for_size(handle.kind, self.size_of(handle))
 
     # ------------------------------------------------------------------ decoding
 
@@ -513,30 +588,22 @@ class ModelProcessor:
         return [int(t) for t in ids], values
 
 
-def _probe_item(kind: str, component: Any) -> tuple[Any, tuple[int, ...]]:
-    """A small synthetic item of `kind` and its size as `count_for_size` takes it."""
+def _probe_item(
+    kind: str, component: Any, *, image_size: tuple[int, int] = (40, 60)
+) -> tuple[Any, tuple[int, ...]]:
+    """A small synthetic item of `kind` and its size as `count_for_size` takes it (an image
+    of `image_size`, (height, width))."""
     rng = np.random.default_rng(0)
     if kind == "image":
         from PIL import Image
 
-        height, width = 40, 60
+        height, width = image_size
         pixels = rng.integers(0, 256, size=(height, width, 3), dtype=np.uint8)
         return Image.fromarray(pixels), (height, width)
     if kind == "video":
-        from transformers.video_utils import VideoMetadata
-
         frames, height, width = 4, 40, 60
         pixels = rng.integers(0, 256, size=(frames, height, width, 3), dtype=np.uint8)
-        fps = 4.0
-        metadata = VideoMetadata(
-            total_num_frames=frames,
-            fps=fps,
-            width=width,
-            height=height,
-            duration=frames / fps,
-            video_backend="pyav",
-            frames_indices=np.arange(frames),
-        )
+        metadata = _all_frames_metadata(frames, 4.0, width, height)
         return VideoFrames(pixels, metadata), (frames, height, width)
     rate = int(getattr(component, "sampling_rate", 16000))
     samples = rate // 2
@@ -558,7 +625,6 @@ def video_frames(data: bytes) -> VideoFrames:
     ``load_video(path, backend="pyav")`` reads a file (``read_video_pyav``: the stream's frame
     count and average rate; all frames)."""
     import av
-    from transformers.video_utils import VideoMetadata
 
     with av.open(io.BytesIO(data)) as container:
         stream = container.streams.video[0]
@@ -573,17 +639,24 @@ def video_frames(data: bytes) -> VideoFrames:
             frames.append(frame.to_ndarray(format="rgb24"))
     if not frames:
         raise ValueError("the video has no frames")
-    total = declared or len(frames)
-    metadata = VideoMetadata(
-        total_num_frames=total,
-        fps=fps or None,
-        width=width,
-        height=height,
-        duration=total / fps if fps else 0.0,
-        video_backend="pyav",
-        frames_indices=np.arange(total, dtype=int),  # as load_video samples every frame
-    )
+    metadata = _all_frames_metadata(declared or len(frames), fps, width, height)
     return VideoFrames(np.stack(frames), metadata)
+
+
+def _all_frames_metadata(total: int, fps: float, width: int, height: int) -> Any:
+    """``VideoMetadata`` of a pyav read of every frame (``read_video_pyav``'s fields)."""
+    from transformers.video_utils import VideoMetadata
+
+    fields: dict[str, Any] = {
+        "total_num_frames": total,
+        "fps": fps or None,
+        "width": width,
+        "height": height,
+        "duration": total / fps if fps else 0.0,
+        "video_backend": "pyav",
+        "frames_indices": np.arange(total, dtype=int),  # load_video samples every frame
+    }
+    return VideoMetadata(**fields)
 
 
 def _declared(handle: MediaHandle) -> str:
