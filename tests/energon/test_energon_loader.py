@@ -122,10 +122,10 @@ def test_every_sample_is_accounted_for(dataset: Any, epochs: Any, workers: int) 
     assert stats["failed"] == len(dataset.keys_with("broken:"))
     assert stats["seen"] == dataset.num_samples
     assert len(delivered) + stats["skipped_total"] + stats["failed"] == dataset.num_samples
-    # every pack respects the capacity and holds whole samples
+    # every pack respects the capacity, padding included, and holds whole samples
     for b in batches:
         for pack in b.packs:
-            assert int(pack.cu_seqlens[-1]) <= CAPACITY
+            assert int(pack.cu_seqlens_padded[-1]) <= CAPACITY
             assert len(pack.sample_ids) == len(pack.cu_seqlens) - 1
 
 

@@ -73,6 +73,8 @@ Worked example (7 tokens, the assistant's answer is tokens 4-6): ``token_mask`` 
 Options. ``BatchOptions`` holds every option of the builders (mask mode, trained roles,
 padding, ``ignore_index``, ``cp_size``, ``pad_to_length``), checked once when made; each
 builder takes one as ``options=`` or builds one from the same keyword arguments.
+``BatchOptions.padded_length(n)`` is the positions a sample of ``n`` tokens takes (``padded_len``
+above), what a packer plans on so that a pack fits a fixed ``pad_to_length``.
 
 Rooms: ``options`` (``BatchOptions``), ``samples`` (``EncodedSample``), ``thd``
 (``PackedBatch``, ``pack_samples``, ``micro_batch``), ``padded`` (``PaddedBatch``,

@@ -9,12 +9,13 @@ arguments; those build a ``BatchOptions`` (``resolve_options``).
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any, TypedDict
 
 from mmpack import _native
-from mmpack._coerce import I64_MAX, I64_MIN, option_int, role_list
-from mmpack.errors import BatchOptionError, BatchOptionTypeError
+from mmpack._coerce import I64_MAX, I64_MIN, count_int, option_int, role_list
+from mmpack.errors import BatchOptionError, BatchOptionTypeError, InvalidLengthError
 
 __all__ = ["BatchOptionKeywords", "BatchOptions", "resolve_options"]
 
@@ -35,6 +36,9 @@ class BatchOptions:
     token id of the batch, checked per batch). ``pad_to_length``: the total length of a pack
     or micro-batch (the width of every padded row), a multiple of the padding multiple;
     ``None``: as short as the samples allow.
+
+    ``padded_length(n)`` is the positions a sample of ``n`` tokens takes in a batch built with
+    these options; the Energon encoder plans its packs and checks oversize samples with it.
     """
 
     loss_mask_mode: str | None = None
@@ -99,6 +103,25 @@ class BatchOptions:
         """The options as the native builders read them (one ``_native.BatchOptions``)."""
         native: _native.BatchOptions = self.__dict__["_native"]
         return native
+
+    @property
+    def padding_multiple(self) -> int:
+        """The multiple every sample is padded to: ``pad_to_multiple_of`` and, when
+        ``cp_size > 1``, the least common multiple of that and ``2 * cp_size`` (each sequence
+        splits into ``2 * cp_size`` equal chunks for context parallelism)."""
+        if self.cp_size == 1:
+            return self.pad_to_multiple_of
+        return math.lcm(self.pad_to_multiple_of, 2 * self.cp_size)
+
+    def padded_length(self, length: int) -> int:
+        """The positions a sample of ``length`` tokens takes in a pack (or a padded row) built
+        with these options: ``length`` rounded up to ``padding_multiple``, as the builders pad
+        it (``pad_to_length`` aside, which only the last sample absorbs). A pack of samples
+        whose padded lengths sum to at most ``C`` fits ``pad_to_length=C``.
+        ``InvalidLengthError`` for a negative length, ``TypeError`` for a non-integer."""
+        n = count_int(length, "length", error=InvalidLengthError, minimum=0)
+        multiple = self.padding_multiple
+        return -(-n // multiple) * multiple
 
     @property
     def precomputed(self) -> bool:

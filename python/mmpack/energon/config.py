@@ -65,7 +65,12 @@ class PackingEncoderConfig:
     """Settings of a `PackingTaskEncoder`.
 
     Attributes:
-        capacity: tokens per pack (the packed sequence length).
+        capacity: positions per pack (the packed sequence length), padding included: each
+            sample counts with its padding (`mmpack.batch.BatchOptions.padded_length`:
+            ``pad_to_multiple_of``, and ``2 * cp_size`` with context parallelism), so no pack
+            is longer and ``SftBatch.micro_batch`` with ``pad_to_length=capacity *
+            batch_size`` holds every batch. A multiple of that padding multiple (checked by
+            the encoder at construction).
         packing_buffer_size: encoded samples each `select_samples_to_pack` call sees (per worker).
         algorithm: an algorithm name of `mmpack.packing.pack`.
         max_items_per_bin: optional cap on samples per pack (``max_items_per_bin`` of
@@ -80,8 +85,8 @@ class PackingEncoderConfig:
             encoder's own mask (per-fragment ``trainable`` flags) after validation.
         train_roles: roles whose tokens are trained on (both modes).
         on_oversize: ``"skip"`` (counted, logged) or ``"error"`` (a typed error naming the sample,
-            handled by Energon's failure tolerance) for a sample longer than ``capacity`` or
-            with more media than ``media_capacity``.
+            handled by Energon's failure tolerance) for a sample longer than ``capacity`` once
+            padded, or with more media than ``media_capacity``.
         failure_tolerance: consecutive failures of one hook (per worker) before Energon stops the
             job. Must be >= 1.
         max_consecutive_skips: consecutive policy skips (per worker) before the encoder stops the
@@ -325,5 +330,6 @@ def _is_int(value: object) -> bool:
 
 
 def _positive_int(name: str, value: object) -> None:
-    if not _is_int(value) or int(value) < 1:  # type: ignore[call-overload]
-        raise EnergonConfigError(f"{name} must be a positive integer, got {value!r}")
+    # (int64 at most: every size and count crosses into the native core as one)
+    if not _is_int(value) or not 1 <= int(value) <= 2**63 - 1:  # type: ignore[call-overload]
+        raise EnergonConfigError(f"{name} must be a positive integer in int64, got {value!r}")

@@ -5,9 +5,9 @@ clear error instead of training on nothing or looping forever.
   ``SkipSample`` and is counted per reason. `check_conversation` runs before the sample is
   encoded (so it reads no media, not even a header): no turns, ends on a user turn.
   `check_sample` runs once on the encoded sample and reads what the encoder counted: nothing
-  trainable, longer than the capacity, more media than the media capacity. Malformed samples
-  raise typed errors (`SampleFormatError`; `LossMaskError` from the encoder), which Energon's
-  failure tolerance handles.
+  trainable, longer than the capacity once padded as the packs are, more media than the media
+  capacity. Malformed samples raise typed errors (`SampleFormatError`; `LossMaskError` from
+  the encoder), which Energon's failure tolerance handles.
 * Undeclared modalities (`check_conversation`): media of a kind the config does not declare in
   ``modalities`` stops the job at the first such sample (`UndeclaredModalityError`, raised as
   Energon's ``FatalSampleError``), naming the kind and the setting to change; with
@@ -203,11 +203,15 @@ def check_sample(
     conversation: Conversation,
     encoded: EncodedConversation,
     skip: SkipFn,
+    *,
+    pack_length: int | None = None,
 ) -> None:
     """Raise ``skip(...)`` for an encoded sample that is bad by policy, or `SampleFormatError`
     for one that is too big under ``on_oversize="error"``. Reads what the conversation encoder
     counted (`EncodedConversation.trainable_tokens`; its mask inputs were validated there);
-    `check_conversation` has already checked the conversation's structure."""
+    `check_conversation` has already checked the conversation's structure. A sample is too
+    long when its `pack_length` (the positions it takes in a pack, padding included; default
+    its tokens padded by the config's batch options) exceeds ``capacity``."""
     key = conversation.__key__
     if encoded.trainable_tokens is None:
         raise SampleFormatError(
@@ -216,8 +220,16 @@ def check_sample(
         )
     if encoded.trainable_tokens == 0:
         raise skip(conversation, "empty_trainable_mask", "no token is trainable")
-    if encoded.num_tokens > config.capacity:
-        detail = f"{encoded.num_tokens} tokens > capacity {config.capacity}"
+    if pack_length is None:
+        pack_length = config.batch_options().padded_length(encoded.num_tokens)
+    if pack_length > config.capacity:
+        detail = f"{encoded.num_tokens} tokens"
+        if pack_length != encoded.num_tokens:
+            detail += (
+                f", padded to {pack_length} (pad_to_multiple_of={config.pad_to_multiple_of}, "
+                f"cp_size={config.cp_size})"
+            )
+        detail += f" > capacity {config.capacity}"
         if config.on_oversize == "error":
             raise SampleFormatError(f"sample {key!r} is too long: {detail} (on_oversize='error')")
         raise skip(conversation, "oversize", detail)

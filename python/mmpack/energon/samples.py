@@ -140,7 +140,8 @@ class EncodedConversation(Sample):
 
 @edataclass
 class SftPack(Sample):
-    """One packed sequence."""
+    """One packed sequence: `packed` holds ``num_tokens`` tokens of its samples in at most
+    ``capacity`` positions (padding included)."""
 
     packed: Any  # mmpack.batch.PackedBatch
     sample_keys: list[str]
@@ -165,7 +166,9 @@ class SftBatch(Batch):
     ) -> Any:
         """The packs as one THD `PackedBatch` (`mmpack.batch.micro_batch`): pass the encoder's
         ``batch_options`` (or its ``pad_to_multiple_of`` / ``cp_size``) and, for pipeline
-        parallelism, the fixed ``pad_to_length`` of every micro-batch."""
+        parallelism, the fixed ``pad_to_length`` of every micro-batch: ``capacity *
+        batch_size`` holds every batch the encoder makes (``encoder.batch_options.replace(
+        pad_to_length=capacity * batch_size)``)."""
         from mmpack.batch import micro_batch
 
         if self.packs is None:

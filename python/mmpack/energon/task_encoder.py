@@ -5,7 +5,8 @@ Pipeline per worker (Energon 7.4): cooker (lazy `Conversation`) -> ``preencode_s
 that read no media: undeclared modalities, turn structure; then the conversation encoder chosen
 at construction (`mmpack.energon.conversation_encoder`) makes tokens and validated mask inputs,
 and the policy reads its counts; users override `encode_conversation`) ->
-``select_samples_to_pack`` (every buffered sample lands in exactly one pack) ->
+``select_samples_to_pack`` (every buffered sample lands in exactly one pack, planned on its
+padded length, `PackingTaskEncoder.pack_length`, so no pack exceeds ``capacity``) ->
 ``postencode_sample`` (decodes the media of that selected sample only, through the decoder chosen
 at construction (`mmpack.energon.decoders`), and checks that each item takes the tokens it was
 encoded with) -> ``pack_selected_samples`` (one `PackedBatch`) -> ``batch``.
@@ -168,6 +169,7 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
         self._probe_packer()
         self._check_ignore_index()
         self.batch_options = self._probe_batch_options()
+        self._check_capacity()
         check_hooks(
             self,
             restored_hooks=self.RESTORED_HOOKS,
@@ -208,6 +210,23 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
         except (BatchOptionError, IndexOverflowError) as err:  # overflow: padding past int32
             raise EnergonConfigError(f"batch options rejected by pack_samples: {err}") from err
         return options
+
+    def _check_capacity(self) -> None:
+        """Refuse a ``capacity`` that no pack can have: every sample is padded to the padding
+        multiple, so a pack's length is a multiple of it, and so must the fixed length of a
+        micro-batch be (``pad_to_length=capacity * batch_size``)."""
+        capacity = self.config.capacity
+        multiple = self.batch_options.padding_multiple
+        if capacity % multiple:
+            below = capacity - capacity % multiple
+            above = below + multiple
+            hint = f"{below} or {above}" if below else str(above)
+            raise EnergonConfigError(
+                f"capacity={capacity} is not a multiple of {multiple}, the padding multiple of "
+                f"pad_to_multiple_of={self.config.pad_to_multiple_of} and "
+                f"cp_size={self.config.cp_size}: every sample is padded to a multiple of "
+                f"{multiple}, so a pack's length is one; use {hint}"
+            )
 
     def _check_ignore_index(self) -> None:
         """Refuse an ``ignore_index`` that is a token id of the tokenizer: labels of that token
@@ -270,15 +289,24 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
 
     def check_policy(self, conversation: Conversation, encoded: EncodedConversation) -> None:
         """Raise `SkipSample` (counted per reason) for samples that are bad by policy, or
-        `SampleFormatError` for ones too big under ``on_oversize="error"``; reads the counts of
-        `encoded` (never rebuilds its mask). Override to add rules; call
-        ``self._skip(sample, reason, detail)``."""
-        check_sample(self.config, conversation, encoded, self._skip)
+        `SampleFormatError` for ones too big under ``on_oversize="error"`` (a sample is too
+        long when its `pack_length` exceeds ``capacity``); reads the counts of `encoded` (never
+        rebuilds its mask). Override to add rules; call ``self._skip(sample, reason,
+        detail)``."""
+        check_sample(
+            self.config, conversation, encoded, self._skip, pack_length=self.pack_length(encoded)
+        )
+
+    def pack_length(self, sample: EncodedConversation) -> int:
+        """The positions `sample` takes in a pack: its tokens padded as the batch builder pads
+        them (`mmpack.batch.BatchOptions.padded_length` of ``batch_options``). Packs are
+        planned on it and the oversize check reads it, so no pack exceeds ``capacity``."""
+        return self.batch_options.padded_length(sample.num_tokens)
 
     def plan_packs(self, lengths: np.ndarray, media: np.ndarray | None, *, seed: int) -> Any:
-        """The packing of one buffer: `mmpack.packing.pack` of the sample `lengths` (and
-        `media` units) with the config's options. Returns an object with ``bin_offsets`` and
-        ``item_indices`` (a `mmpack.packing.Packing`)."""
+        """The packing of one buffer: `mmpack.packing.pack` of the samples' `lengths` (their
+        `pack_length`, padding included) and `media` units with the config's options. Returns
+        an object with ``bin_offsets`` and ``item_indices`` (a `mmpack.packing.Packing`)."""
         cfg = self.config
         return pack(
             lengths,
@@ -333,7 +361,10 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
     def select_samples_to_pack(
         self, samples: list[EncodedConversation]
     ) -> list[list[EncodedConversation]]:
-        lengths = np.fromiter((s.num_tokens for s in samples), dtype=np.int64, count=len(samples))
+        # padded as the builder pads them: a pack's padded total fits the capacity
+        lengths = np.fromiter(
+            (self.pack_length(s) for s in samples), dtype=np.int64, count=len(samples)
+        )
         media = None
         if self.config.media_capacity is not None:
             media = np.fromiter(

@@ -483,14 +483,18 @@ class PackedTensor:
         else:
             dedup_or_csr = other.deduplication_enabled or other._row_offsets is not None
         csr = dedup_or_csr or n == 0
+        too_big = f"num_rows={n} empty rows cannot be allocated"
         try:
             rows: Any = np.zeros(n + 1, dtype=np.int64) if csr else [None] * n
         except (MemoryError, ValueError) as exc:  # numpy: "array is too big"
-            raise IndexOverflowError(f"num_rows={n} empty rows cannot be allocated") from exc
+            raise IndexOverflowError(too_big) from exc
         if csr:
-            lay = PackedLayout.build(
-                0, rows, _EMPTY_I64, provenance_blob=b"" if dedup_or_csr else None
-            )
+            try:
+                lay = PackedLayout.build(
+                    0, rows, _EMPTY_I64, provenance_blob=b"" if dedup_or_csr else None
+                )
+            except IndexOverflowError as exc:  # the layout's own copy of the offsets
+                raise IndexOverflowError(too_big) from exc
             return cls._make([], other.dim_to_pack, other.pad_to_max_shape, lay)
         return cls(rows, other.dim_to_pack, pad_to_max_shape=other.pad_to_max_shape)
 
