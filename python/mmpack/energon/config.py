@@ -75,8 +75,12 @@ class PackingEncoderConfig:
         algorithm: an algorithm name of `mmpack.packing.pack`.
         max_items_per_bin: optional cap on samples per pack (``max_items_per_bin`` of
             `mmpack.packing.pack`; formerly ``max_samples_per_pack``).
-        media_capacity: optional cap on media units (image patches / audio frames) per pack
-            (``media_capacity`` of `mmpack.packing.pack`; formerly ``media_budget``).
+        media_capacity: optional cap on media units per pack (``media_capacity`` of
+            `mmpack.packing.pack`; formerly ``media_budget``). A unit is a row the model's
+            vision or audio tower processes: an image or video patch (Qwen2-VL: four patches
+            per placeholder token; LLaVA: the crop's patches), an audio feature frame
+            (Qwen2-Audio: the 3000 frames of its 30 s window per clip). Placeholder tokens
+            count in ``capacity``.
         loss_mask_mode: ``None`` derives the mask from message roles; ``"precomputed"`` uses the
             encoder's own mask (per-fragment ``trainable`` flags) after validation.
         train_roles: roles whose tokens are trained on (both modes).
