@@ -54,6 +54,7 @@ class Case:
     name: str
     payload: bytes
     max_bytes: int | None
+    compare: bool = False  # no globals: a value that loads must equal CPython's
 
 
 @dataclass
@@ -69,6 +70,7 @@ class Result:
     storage: int = 0  # bytes of the storages the value holds (untouched pages count too)
     seconds: float = 0.0
     message: str = ""
+    differs: bool = False  # from what CPython's unpickler gives
 
 
 def limit_of(payload: bytes, max_bytes: int | None) -> int:
@@ -87,6 +89,8 @@ def violations(results: list[Result]) -> list[str]:
             why.append("MemoryError")
         elif r.outcome != "loaded" and not r.typed:
             why.append(f"untyped {r.outcome}")
+        if r.differs:
+            why.append("differs from CPython's unpickler")
         if r.rss > r.limit + RSS_OVERHEAD:
             why.append(f"peak RSS +{r.rss >> 10} KiB over a limit of {r.limit >> 10} KiB")
         if r.storage > r.limit:
@@ -112,7 +116,9 @@ def run_payloads(cases: list[Case], timeout: float = 600) -> list[Result]:
         start = time.monotonic()
         while len(results) < len(cases):
             todo = range(len(results), len(cases))
-            spec = [[str(paths[i]), cases[i].max_bytes, cases[i].name] for i in todo]
+            spec = [
+                [str(paths[i]), cases[i].max_bytes, cases[i].name, cases[i].compare] for i in todo
+            ]
             spec_path = Path(tmp) / "spec.json"
             spec_path.write_text(json.dumps(spec))
             left = max(timeout - (time.monotonic() - start), 10)
@@ -214,6 +220,19 @@ def _outcome(loads: Any, data: bytes, max_bytes: int | None) -> tuple[str, bool,
     return "loaded", False, False, "", value
 
 
+def _differs(value: Any, data: bytes) -> bool:
+    import pickle
+
+    try:
+        theirs = pickle.loads(data)
+    except Exception:
+        return False  # CPython may refuse what the loader reads (a frame it reads loosely)
+    try:
+        return pickle.dumps(value, protocol=5) != pickle.dumps(theirs, protocol=5)
+    except Exception:
+        return True
+
+
 def _warm(loads: Any) -> None:
     """Import and run every path once, so that no first-use import counts against a load."""
     import io
@@ -244,9 +263,11 @@ def main(spec_path: str) -> None:
     from mmpack.safe_load import loads
 
     _warm(loads)
+    gc.collect()
+    gc.freeze()  # what is alive now is never the payload's: later collections skip it
     held = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
     resource.setrlimit(resource.RLIMIT_AS, (held + HEADROOM, resource.RLIM_INFINITY))
-    for path, max_bytes, name in json.loads(Path(spec_path).read_text()):
+    for path, max_bytes, name, compare in json.loads(Path(spec_path).read_text()):
         data = Path(path).read_bytes()
         limit = limit_of(data, max_bytes)
         _settle()
@@ -256,6 +277,7 @@ def main(spec_path: str) -> None:
         traced = tracemalloc.get_traced_memory()[1] - base
         tracemalloc.stop()
         held = _storage_bytes(value)
+        differs = compare and value is not None and _differs(value, data)
         del value
         before = _settle()
         t0 = time.perf_counter()
@@ -265,6 +287,7 @@ def main(spec_path: str) -> None:
         del value
         result = Result(name, len(data), limit, outcome, typed, memory, rss, traced, held, seconds)
         result.message = message
+        result.differs = differs
         print(json.dumps(result.__dict__), flush=True)
 
 

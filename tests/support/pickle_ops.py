@@ -3,6 +3,7 @@ helper returns the bytes of one opcode with its argument."""
 
 from __future__ import annotations
 
+import functools
 import io
 import struct
 import sys
@@ -89,6 +90,7 @@ def empty_ordered_dict() -> bytes:
     return call(global_("collections", "OrderedDict"))
 
 
+@functools.cache
 def legacy_storage(numel: int) -> bytes:
     """The bytes ``torch.storage._load_from_bytes`` gets for a float32 storage of ``numel``
     ones (what pickling a tensor nests)."""
