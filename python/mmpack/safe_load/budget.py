@@ -60,6 +60,8 @@ TENSOR_DIM = 32
 STORAGE = 512
 #: An instance of an admitted class (``object.__new__``) with its ``__dict__``.
 INSTANCE = 512
+#: One run of the unpickler (its state, not what it builds).
+UNPICKLER = 1024
 #: A zip archive's directory, per byte of it: ``zipfile`` keeps one ``ZipInfo`` (measured 555
 #: bytes) per entry of at least 46 bytes.
 ZIP_DIRECTORY_PER_BYTE = 16

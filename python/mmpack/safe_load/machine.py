@@ -90,10 +90,7 @@ class Unpickler:
         # tuples and frozensets nested 2 or more deep: id -> (object, depth); holding the
         # object keeps its id from being reused
         self._deep: dict[int, tuple[Any, int]] = {}
-        table: list[Callable[[], bool | None] | None] = [None] * 256
-        for code, name in _OPCODES.items():
-            table[code] = getattr(self, name)
-        self._dispatch = table
+        budget.charge(cost.UNPICKLER, f"an unpickler for the {what}")
         self._reset(0)
 
     def _reset(self, start: int) -> None:
@@ -109,7 +106,7 @@ class Unpickler:
         """The value of the pickle at ``data[start]`` and the position after its ``STOP``."""
         self._reset(start)
         data = self._data
-        dispatch = self._dispatch
+        dispatch = _DISPATCH
         while True:
             pos = self._pos
             if pos >= self._limit:
@@ -119,7 +116,7 @@ class Unpickler:
             handler = dispatch[op]
             if handler is None:
                 raise pickle.UnpicklingError(f"invalid load key, {bytes([op])!r} at {pos}")
-            if handler():
+            if handler(self):
                 self._stack = []
                 self._metastack = []
                 self._memo = {}
@@ -711,3 +708,8 @@ _OPCODES: dict[int, str] = {
         "\x98": "_buffer",
     }.items()
 }
+
+# per opcode byte, the method that runs it (a class-level table: no cycle through each instance)
+_DISPATCH: list[Callable[[Unpickler], bool | None] | None] = [None] * 256
+for _code, _name in _OPCODES.items():
+    _DISPATCH[_code] = getattr(Unpickler, _name)

@@ -139,10 +139,16 @@ def load_storage_bytes(data: bytes, budget: Budget, depth: int) -> Any:
     storage of a legacy record (what pickling a storage writes)."""
     if data[:4] == ZIP_MAGIC:
         return load_archive(data, budget, depth)
-    return _load_legacy(data, budget)
+    before = budget.used
+    storage, kept = _load_legacy(data, budget)
+    # everything but the storages was dropped with _load_legacy's frame (the header pickles,
+    # the records, the key list): only what is kept stays charged
+    budget.used = min(budget.used, before + kept)
+    return storage
 
 
-def _load_legacy(data: bytes, budget: Budget) -> Any:
+def _load_legacy(data: bytes, budget: Budget) -> tuple[Any, int]:
+    """The storage of a legacy record and the bytes charged for what stays alive with it."""
     import torch
 
     what = "nested storage"
@@ -203,6 +209,7 @@ def _load_legacy(data: bytes, budget: Budget) -> Any:
         )
     view = memoryview(data)
     storages: dict[str, Any] = {}
+    kept = 0
     for key in keys:
         record, nbytes = declared[key], sizes[key]
         (numel,) = _I64.unpack_from(data, pos)
@@ -213,6 +220,7 @@ def _load_legacy(data: bytes, budget: Budget) -> Any:
             )
         pos += _I64.size
         budget.charge(nbytes + cost.STORAGE, f"storage {describe(key)}")
+        kept += nbytes + cost.STORAGE
         untyped = (
             torch.UntypedStorage.from_buffer(view[pos : pos + nbytes], dtype=torch.uint8)
             if nbytes
@@ -222,4 +230,4 @@ def _load_legacy(data: bytes, budget: Budget) -> Any:
         storages[key] = torch.storage.TypedStorage(
             wrap_storage=untyped, dtype=record.dtype, _internal=True
         )
-    return storages[result.key]
+    return storages[result.key], kept
