@@ -9,8 +9,8 @@ given a state is the :class:`Gate`'s to decide and charge. The semantics are tho
 ``pickle`` (protocols 0 to 5), with these refusals:
 
 * a length field (bytes, strings, ints, frames) larger than the bytes that follow, an opcode
-  that runs past the end of its frame, a protocol above 5 and out-of-band buffers
-  (:class:`~mmpack.errors.CorruptPickleError`);
+  that runs past the end of its frame, a memo index beyond the pickle's size, a protocol above
+  5 and out-of-band buffers (:class:`~mmpack.errors.CorruptPickleError`);
 * ``APPEND(S)`` to anything but a ``list``, ``SETITEM(S)`` to anything but a ``dict`` or an
   ``OrderedDict``, ``ADDITEMS`` to anything but a ``set``: CPython would call the object's own
   ``append`` / ``__setitem__`` / ``add`` (``tensor.add`` broadcasts two small tensors into a
