@@ -142,8 +142,9 @@ def load_storage_bytes(data: bytes, budget: Budget, depth: int) -> Any:
     before = budget.used
     storage, kept = _load_legacy(data, budget)
     # everything but the storages was dropped with _load_legacy's frame (the header pickles,
-    # the records, the key list): only what is kept stays charged
-    budget.used = min(budget.used, before + kept)
+    # the records, the key list): what is kept stays charged, and the bytes read, so that the
+    # work of reading one memoized record again and again stays in proportion to the budget
+    budget.used = min(budget.used, before + kept + len(data))
     return storage
 
 
