@@ -140,6 +140,15 @@ fuzz:  ## run each cargo-fuzz target for FUZZ_SECONDS seconds, one after the oth
 	  rc=$$?; grep -E '^(Done|stat::number_of_executed_units|stat::peak_rss_mb)' fuzz/target/fuzz-$$t.log; \
 	  if [ $$rc -ne 0 ]; then tail -40 fuzz/target/fuzz-$$t.log; exit $$rc; fi; \
 	done
+# The restricted loader's differential fuzzer (tests/support/loader_fuzz.py): each payload in a
+# child under a hard memory limit. `make test` runs a short fixed run
+# (tests/safe_load/test_loader_fuzz.py); this runs for LOADER_FUZZ_SECONDS, niced.
+LOADER_FUZZ_SECONDS ?= 600
+LOADER_FUZZ_SEED ?= 1
+.PHONY: fuzz-loader
+fuzz-loader: build  ## fuzz mmpack.safe_load.loads for LOADER_FUZZ_SECONDS seconds
+	PYTHONPATH=tests$${PYTHONPATH:+:$$PYTHONPATH} nice -n 10 $(PY) -m support.loader_fuzz \
+	  --seconds $(LOADER_FUZZ_SECONDS) --seed $(LOADER_FUZZ_SEED)
 # --- end fuzz ---
 
 .PHONY: fmt

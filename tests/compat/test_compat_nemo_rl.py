@@ -508,7 +508,7 @@ def test_tensor_records_larger_than_their_storage_are_refused(
 
 def test_nested_load_from_bytes_must_give_a_storage() -> None:
     """``torch.storage._load_from_bytes`` stands for a storage; a nested archive holding a
-    tensor (or anything else torch's weights_only loader admits) is refused."""
+    tensor (or anything else the restricted loader admits) is refused."""
     import torch.storage
 
     class Nested:

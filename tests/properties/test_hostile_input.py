@@ -966,8 +966,8 @@ def test_escape_attempts_are_refused_without_running_anything(
 
 
 def test_torch_load_reentry_through_load_from_bytes_is_restricted(tmp_path: Path) -> None:
-    """``torch.storage._load_from_bytes`` is admitted, but reads its bytes with torch's
-    ``weights_only`` loader: an ``os.system`` payload inside is refused, nothing runs."""
+    """``torch.storage._load_from_bytes`` is admitted, but reads its bytes with the restricted
+    loader itself: an ``os.system`` payload inside is refused, nothing runs."""
     import torch.storage
 
     marker = tmp_path / "pwned"

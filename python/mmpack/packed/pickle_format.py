@@ -82,11 +82,15 @@ FIELDS = frozenset(("tensors", "dim_to_pack", "pad_to_max_shape", "_layout", "_s
 RAW_FIELDS = ("_row_offsets", "_segment_indices", "_segment_provenance")
 CORRUPT = "corrupt PackedTensor pickle"
 # What restoring builds, charged to a restricted load's budget first: per
-# group member (a tensor view and its shape; measured 115-600 bytes), per segment slot, and per
-# byte of a row layout (the native handle's copies).
+# group member (a tensor view and its shape; measured 115-600 bytes), per buffer, per segment
+# slot, per group a value references, per byte of a row layout (the native handle's copies), and per
+# attribute copied into the instance's __dict__ (a dict entry).
 _MEMBER_COST = 640
 _SEGMENT_COST = 96
+_GROUP_COST = 16
+_BUFFER_COST = 2048  # a buffer's tensor, its dtype view and its member list
 _LAYOUT_COST_PER_BYTE = 4
+_ATTRIBUTE_COST = 128
 
 
 # ---------------------------------------------------------------------------------------------
@@ -218,7 +222,7 @@ def restore(obj: PackedTensor, state: Any) -> None:
         raise LayoutError(f"{CORRUPT}: _layout does not fit tensors")
     _refuse_shadowing(type(obj), state, _corrupt)
     entries = sum(len(v) for k in RAW_FIELDS if isinstance(v := state.get(k), list))
-    charge(64 * entries, "a NeMo-RL row layout")
+    charge(64 * entries + _ATTRIBUTE_COST * len(state), "a NeMo-RL state")
     d = obj.__dict__
     d.update(state)
     if any(k in d for k in RAW_FIELDS) or "_layout" not in d:
@@ -296,7 +300,10 @@ def _decode_group(payload: Any) -> list[Any]:
     ):
         raise LayoutError(f"{CORRUPT}: inconsistent tensor tables")
     copied = sum(memoryview(buf).nbytes for _, buf in buffers if memoryview(buf).readonly)
-    charge(_MEMBER_COST * len(dtypes_a) + 48 * len(dims_a) + copied, "a PackedTensor group")
+    charge(
+        _MEMBER_COST * len(dtypes_a) + 48 * len(dims_a) + _BUFFER_COST * len(buffers) + copied,
+        "a PackedTensor group",
+    )
     dtypes_l, ranks_l, dims_l = dtypes_a.tolist(), ranks_a.tolist(), dims_a.tolist()
     n = len(dtypes_l)
     shapes: list[Any] = [None] * n
@@ -328,7 +335,7 @@ def _decode_segments(payload: Any) -> list[Any]:
     codes_a, pos_a = _i64_array(codes), _i64_array(pos)
     if len(codes_a) != len(pos_a) or (len(codes_a) and (codes_a.min() < -2 or pos_a.min() < 0)):
         raise LayoutError(f"{CORRUPT}: inconsistent segment tables")
-    charge(_SEGMENT_COST * len(codes_a), "PackedTensor segments")
+    charge(_SEGMENT_COST * len(codes_a) + _GROUP_COST * len(groups), "PackedTensor segments")
     group_lists = [
         [g.member(j) for j in range(len(g))] if isinstance(g, Group) else g.tensors for g in groups
     ]
@@ -392,6 +399,7 @@ def _restore_fields(obj: PackedTensor, state: dict[str, Any]) -> None:
         raise LayoutError(f"{CORRUPT}: extra attributes must be a dict of non-field names")
     if extra:
         _refuse_shadowing(type(obj), extra, _corrupt)
+        charge(_ATTRIBUTE_COST * len(extra), "PackedTensor attributes")
     if in_store:
         obj._store = tensors  # read in place; ``tensors`` makes private copies on first read
     else:
