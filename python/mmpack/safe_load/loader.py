@@ -87,9 +87,16 @@ def load(file: str | os.PathLike[str] | IO[bytes], *, max_bytes: int | None = No
 def _read_within(fh: IO[bytes], max_bytes: int | None) -> bytes:
     if max_bytes is None:
         return fh.read()
-    data = fh.read(max_bytes + 1)
-    if len(data) > max_bytes:
-        raise PickleTooLargeError(
-            f"refusing a file longer than max_bytes={max_bytes}: reading it alone needs more"
-        )
-    return data
+    # in pieces: ``read(n)`` may allocate n bytes up front, whatever the file holds
+    pieces, total = [], 0
+    while piece := fh.read(_READ_PIECE):
+        total += len(piece)
+        if total > max_bytes:
+            raise PickleTooLargeError(
+                f"refusing a file longer than max_bytes={max_bytes}: reading it alone needs more"
+            )
+        pieces.append(piece)
+    return b"".join(pieces)
+
+
+_READ_PIECE = 1 << 20
