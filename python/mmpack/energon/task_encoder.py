@@ -31,9 +31,11 @@ from typing import Any, ClassVar
 
 import numpy as np
 from megatron.energon import DefaultTaskEncoder, SkipSample, stateless
+from megatron.energon.errors import FatalSampleError
 
 from mmpack import PackedTensor
 from mmpack.batch import EncodedSample, PackedBatch, pack_samples
+from mmpack.batch.fields import THD_MAX_LENGTH
 from mmpack.batch.options import BatchOptions
 from mmpack.batch.padded import PaddedBatch, pad_samples
 from mmpack.energon.config import PackingEncoderConfig
@@ -208,8 +210,16 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
     def _check_capacity(self) -> None:
         """Refuse a ``capacity`` that no pack can have: every sample is padded to the padding
         multiple, so a pack's length is a multiple of it, and so must the fixed length of a
-        micro-batch be (``pad_to_length=capacity * batch_size``)."""
+        micro-batch be (``pad_to_length=capacity * batch_size``), which ``cu_seqlens`` (int32)
+        must hold."""
         capacity = self.config.capacity
+        batch_size = self.config.batch_size
+        if capacity * batch_size > THD_MAX_LENGTH:
+            raise EnergonConfigError(
+                f"capacity * batch_size = {capacity} * {batch_size} = {capacity * batch_size} "
+                f"positions: a micro-batch (pad_to_length=capacity * batch_size) holds at most "
+                f"2**31 - 1 = {THD_MAX_LENGTH} (cu_seqlens are int32)"
+            )
         multiple = self.batch_options.padding_multiple
         if capacity % multiple:
             below = capacity - capacity % multiple
@@ -436,6 +446,7 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
         packed = self.build_pack(samples)
         self.stats.add("build_ns", time.perf_counter_ns() - start)
         keys = [s.__key__ for s in samples]
+        self._check_pack_length(packed, samples, keys)
         self.stats.add("packed", len(samples))
         self.stats.add("packs")
         return SftPack(
@@ -447,6 +458,25 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
             num_tokens=int(sum(s.num_tokens for s in samples)),
             capacity=self.config.capacity,
         )
+
+    def _check_pack_length(
+        self, packed: Any, samples: Sequence[EncodedConversation], keys: list[str]
+    ) -> None:
+        """Stop the job on a pack longer than ``capacity``: `pack_length`, `plan_packs` and
+        `build_pack` disagree (a subclass), and ``micro_batch(pad_to_length=capacity *
+        batch_size)`` would fail on it. Fatal: every buffer would fail the same way."""
+        length = len(packed.input_ids)
+        capacity = self.config.capacity
+        if length <= capacity:
+            return
+        planned = sum(self.pack_length(s) for s in samples)
+        err = EnergonConfigError(
+            f"{type(self).__name__} built a pack of {length} positions from samples "
+            f"{keys} (planned: {planned}), over capacity {capacity}: pack_length must be the "
+            f"positions build_pack gives each sample (padding included), and plan_packs must "
+            f"keep each pack's pack_length total within the capacity"
+        )
+        raise FatalSampleError(str(err)) from err
 
     @stateless
     def batch(self, samples: list[Any]) -> SftBatch:
