@@ -77,6 +77,23 @@ def test_a_pack_longer_than_capacity_stops_the_job(tokenizer: Any, worker: Any, 
             enc.pack_selected_samples([enc.postencode_sample(s) for s in group])
 
 
+class NoPolicy(PackingTaskEncoder):
+    """A policy override that forgets the oversize check."""
+
+    def check_policy(self, conversation: Conversation, encoded: EncodedConversation) -> None:
+        pass
+
+
+def test_an_oversize_sample_past_the_policy_stops_the_job_naming_it(
+    tokenizer: Any, worker: Any
+) -> None:
+    enc = encoder(tokenizer, NoPolicy)
+    samples = [enc.preencode_sample(conversation(f"s{i}", w)) for i, w in enumerate(WORDS)]
+    samples.append(enc.preencode_sample(conversation("long", 60)))  # 65 tokens: 72 padded
+    with pytest.raises(FatalSampleError, match=r"'long'.*pack_length 72 > capacity 64"):
+        enc.select_samples_to_pack(samples)
+
+
 def test_the_encoders_own_hooks_pass_the_guard(tokenizer: Any, worker: Any) -> None:
     enc = encoder(tokenizer, PackingTaskEncoder)
     samples = [enc.preencode_sample(conversation(f"s{i}", w)) for i, w in enumerate(WORDS)]

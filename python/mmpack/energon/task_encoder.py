@@ -369,6 +369,7 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
         lengths = np.fromiter(
             (self.pack_length(s) for s in samples), dtype=np.int64, count=len(samples)
         )
+        self._check_oversize_reached_packing(samples, lengths)
         media = None
         if self.config.media_capacity is not None:
             media = np.fromiter(
@@ -458,6 +459,24 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
             num_tokens=int(sum(s.num_tokens for s in samples)),
             capacity=self.config.capacity,
         )
+
+    def _check_oversize_reached_packing(
+        self, samples: Sequence[EncodedConversation], lengths: np.ndarray
+    ) -> None:
+        """Stop the job on a sample longer than ``capacity`` in the packing buffer: the
+        oversize check of `check_policy` was bypassed (an override that does not call
+        ``super().check_policy``), and the packer would fail the whole buffer, good samples
+        with it, every time such a sample comes. Fatal: no buffer would be safe."""
+        over = np.flatnonzero(lengths > self.config.capacity)
+        if not over.size:
+            return
+        i = int(over[0])
+        err = EnergonConfigError(
+            f"sample {samples[i].__key__!r} reached packing with pack_length "
+            f"{int(lengths[i])} > capacity {self.config.capacity}: check_policy must refuse "
+            f"such samples (an override must call super().check_policy)"
+        )
+        raise FatalSampleError(str(err)) from err
 
     def _check_pack_length(
         self, packed: Any, samples: Sequence[EncodedConversation], keys: list[str]
