@@ -54,3 +54,30 @@ def worker() -> Iterator[Any]:
 
     with active_worker() as config:
         yield config
+
+
+@pytest.fixture(scope="session")
+def ray_session() -> Iterator[Any]:
+    """One small local Ray instance (2 CPUs, a 256 MiB object store) for every Ray test: starting
+    Ray costs more than the tests themselves. Imported lazily: tests without Ray never load it."""
+    import ray
+
+    ray.init(
+        num_cpus=2,
+        include_dashboard=False,
+        log_to_driver=False,
+        configure_logging=False,
+        object_store_memory=256 * 1024 * 1024,
+    )
+    try:
+        yield ray
+    finally:
+        import gc
+        import warnings
+
+        # Ray's shutdown leaves subprocess handles whose finalizers warn about still-running
+        # helpers; they are Ray's, and must not fail the last test.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ResourceWarning)
+            ray.shutdown()
+            gc.collect()

@@ -93,6 +93,9 @@ class CountingDecoder:
     def output_keys(self, kind: str) -> tuple[str, ...]:
         return (f"{kind}_values", f"{kind}_sizes")
 
+    def padded_keys(self, kind: str) -> tuple[str, ...]:
+        return ()
+
     def count(self, handle: MediaHandle) -> int:
         return self.tokens
 

@@ -187,10 +187,12 @@ def test_media_is_decoded_only_for_packed_samples(dataset: Any, tokenizer: Any) 
         for pack in b.packs:
             for value in pack.media.values():
                 assert value._segment_indices is not None
-    # what the packed samples reference, one decode per (sample, media item)
+    # what the packed samples reference, one decode per (pack, media item): an item shared
+    # by several samples of a pack is decoded once for it
     packed = {k for b in batches for k in b.sample_keys}
-    for key in packed:
-        expected.update(_media_identities(dataset, key))
+    for b in batches:
+        for pack in b.packs:
+            expected.update({m for k in pack.sample_ids for m in _media_identities(dataset, k)})
     assert decoded == expected
     assert encoder.stats.snapshot()["decoded"] == sum(expected.values())
     # nothing of a skipped or broken sample, and no unused manifest entry, was decoded

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 import mmpack.packed.payload as payload
@@ -22,21 +21,10 @@ G = 16
 PROMPTS = 4
 
 
-@pytest.fixture(scope="module")
-def ray_session() -> Iterator[Any]:
-    ray.init(
-        num_cpus=2,
-        include_dashboard=False,
-        log_to_driver=False,
-        configure_logging=False,
-        object_store_memory=256 * 1024 * 1024,
-    )
+@pytest.fixture(scope="module", autouse=True)
+def _by_value(ray_session: Any) -> None:
     # ship this module's helpers by value: the workers do not have tests/ on sys.path
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    try:
-        yield ray
-    finally:
-        ray.shutdown()
 
 
 def make_prompts(seed: int = 0) -> dict[str, PackedTensor]:

@@ -125,7 +125,8 @@ def pad_samples(
     ``mmpack.batch.pack_samples``. ``L`` is the longest sample rounded up to the padding
     multiple (``pad_to_multiple_of``, and ``2 * cp_size`` when ``cp_size > 1``), or
     ``pad_to_length`` (a multiple of it; ``BatchOptionError`` when the longest sample does
-    not fit). Media values are joined per key with ``PackedTensor.concat``.
+    not fit, or naming the option when the rows it implies cannot be allocated). Media values
+    are joined per key with ``PackedTensor.concat``.
     """
     opts = resolve_options(options, keywords, caller="pad_samples")
     out, samples = build_native(_native.build_padded, samples, opts)

@@ -242,8 +242,11 @@ def pack_samples(
     ``InvalidTokenError`` for a negative token id; ``IndexOverflowError`` for a token id or
     message length beyond int64; ``BatchOptionError`` for options out of range (int64
     included), a negative ``pad_token_id``, an ``ignore_index`` in ``[0, largest token id of
-    the batch]`` (a label equal to it would silently leave the loss) or a pack longer than
-    ``pad_to_length``; ``BatchMediaError`` / ``TypeError`` for media that cannot be merged.
+    the batch]`` (a label equal to it would silently leave the loss), a pack longer than
+    ``pad_to_length``, or a size no pack can have (``pad_to_length``, ``pad_to_multiple_of`` or
+    ``cp_size`` taking it past the 2**31 - 1 positions of its int32 offsets, or past memory:
+    checked before anything is allocated); ``BatchMediaError`` / ``TypeError`` for media that
+    cannot be merged.
     ``TypeError`` too for an item that is not an ``EncodedSample``, a field or option of the
     wrong type (bools as ``message_lengths`` included) or a ``meta`` tensor (it has no values).
     """

@@ -62,13 +62,16 @@ class TemplateMedia:
 
     ``placeholder_ids``: media kind -> id of the token the template renders once per item of
     that kind. ``count``: tokens an item takes, before decoding. ``expansion``: the token ids
-    that replace the placeholder for an item of `kind` taking `n` tokens. ``list_content``:
-    every message's content is a list of typed items (multimodal templates), not a string."""
+    that replace the placeholder for an item of `kind` taking `n` tokens. ``units``: the media
+    units (``media_capacity``'s rows of the vision / audio tower) of an item taking `n` tokens
+    (None: not counted, 0). ``list_content``: every message's content is a list of typed items
+    (multimodal templates), not a string."""
 
     placeholder_ids: Mapping[str, int]
     count: Callable[[MediaHandle], int]
     expansion: Callable[[str, int], list[int]]
     list_content: bool = False
+    units: Callable[[MediaHandle, int], int] | None = None
 
 
 def markup_media(
@@ -90,11 +93,16 @@ def markup_media(
         placeholder_ids=ids,
         count=functools.partial(_patch_count, settings=settings),
         expansion=functools.partial(_repeat_placeholder, ids),
+        units=functools.partial(_patch_units, settings=settings),
     )
 
 
 def _patch_count(handle: MediaHandle, *, settings: MediaSettings) -> int:
     return handle.num_tokens(settings)
+
+
+def _patch_units(handle: MediaHandle, tokens: int, *, settings: MediaSettings) -> int:
+    return handle.num_units(settings)
 
 
 def _repeat_placeholder(ids: Mapping[str, int], kind: str, count: int) -> list[int]:
@@ -368,6 +376,7 @@ def _expand(
     pieces_index: list[np.ndarray] = []  # for each output token: the input token it came from
     handles: list[MediaHandle] = []
     counts: list[int] = []
+    units = 0
     prev = 0
     src = np.asarray(ids, dtype=np.int64)
     for t, handle in sorted(placeholders, key=lambda p: p[0]):
@@ -380,6 +389,8 @@ def _expand(
         ]
         handles.append(handle)
         counts.append(count)
+        if media.units is not None:
+            units += int(media.units(handle, count))
         prev = t + 1
     pieces_ids.append(src[prev:])
     pieces_index.append(np.arange(prev, len(ids), dtype=np.int64))
@@ -414,6 +425,6 @@ def _expand(
         message_lengths=message_lengths,
         message_roles=roles,
         media=handles,
-        media_units=int(sum(counts)),
+        media_units=units,
         media_tokens=counts,
     )

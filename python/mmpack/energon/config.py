@@ -76,8 +76,12 @@ class PackingEncoderConfig:
         algorithm: an algorithm name of `mmpack.packing.pack`.
         max_items_per_bin: optional cap on samples per pack (``max_items_per_bin`` of
             `mmpack.packing.pack`; formerly ``max_samples_per_pack``).
-        media_capacity: optional cap on media units (image patches / audio frames) per pack
-            (``media_capacity`` of `mmpack.packing.pack`; formerly ``media_budget``).
+        media_capacity: optional cap on media units per pack (``media_capacity`` of
+            `mmpack.packing.pack`; formerly ``media_budget``). A unit is a row the model's
+            vision or audio tower processes: an image or video patch (Qwen2-VL: four patches
+            per placeholder token; LLaVA: the crop's patches), an audio feature frame
+            (Qwen2-Audio: the 3000 frames of its 30 s window per clip). Placeholder tokens
+            count in ``capacity``.
         loss_mask_mode: ``None`` derives the mask from message roles; ``"precomputed"`` uses the
             encoder's own mask (per-fragment ``trainable`` flags) after validation.
         train_roles: roles whose tokens are trained on (both modes).
@@ -327,5 +331,6 @@ def _is_int(value: object) -> bool:
 
 
 def _positive_int(name: str, value: object) -> None:
-    if not _is_int(value) or int(value) < 1:  # type: ignore[call-overload]
-        raise EnergonConfigError(f"{name} must be a positive integer, got {value!r}")
+    # (int64 at most: every size and count crosses into the native core as one)
+    if not _is_int(value) or not 1 <= int(value) <= 2**63 - 1:  # type: ignore[call-overload]
+        raise EnergonConfigError(f"{name} must be a positive integer in int64, got {value!r}")

@@ -5,7 +5,8 @@ waveforms, `MediaHandle.decode`) and `mmpack.energon.processors.ModelProcessor` 
 Hugging Face processor, called for real). The loop is the same for both: each configured
 modality's output keys become one `PackedTensor` row per sample (empty when the sample has
 none); a media item referenced twice (same provenance: its source, or its bytes under
-``media_identity: content``) is decoded once and stored once by ``merge_segments``; each item
+``media_identity: content``), in one sample or in several samples of one pack (through the
+pack's `decoded` cache), is read and decoded once and stored once by ``merge_segments``; each item
 must take the tokens the sample was encoded with (`MediaTokenCountError`), since a wrong count
 would shift every later media item of the pack against its tokens.
 """
@@ -39,6 +40,12 @@ class MediaDecoder(Protocol):
         """The keys of the tensors a `kind` item decodes to."""
         ...
 
+    def padded_keys(self, kind: str) -> tuple[str, ...]:
+        """The keys among `output_keys` whose items differ beyond their leading dimension:
+        packed zero-padded to the largest item (``PackedTensor(pad_to_max_shape=True)``), as
+        the processor batches them."""
+        ...
+
     def count(self, handle: MediaHandle) -> int:
         """Tokens `handle` takes, from its metadata or header (nothing decoded)."""
         ...
@@ -63,6 +70,9 @@ class BuiltinDecoder:
 
     def output_keys(self, kind: str) -> tuple[str, ...]:
         return (MEDIA_KEYS[kind],)
+
+    def padded_keys(self, kind: str) -> tuple[str, ...]:
+        return ()
 
     def count(self, handle: MediaHandle) -> int:
         return handle.num_tokens(self.settings)
@@ -92,13 +102,17 @@ def decode_media(
     modalities: Sequence[str],
     packed_tensor_type: Any,
     by_content: bool,
+    decoded: dict[bytes, DecodedMedia] | None = None,
 ) -> tuple[dict[str, Any], int]:
     """One `PackedTensor` row per output key of each configured modality (module docstring),
-    and the number of items decoded. `media_tokens`: the tokens each item was encoded with
-    (None: counted again from each item's metadata or header)."""
+    and the number of items decoded here. `media_tokens`: the tokens each item was encoded with
+    (None: counted again from each item's metadata or header). `decoded`: items already
+    decoded for this pack, by provenance (filled with the ones decoded here)."""
     cls = packed_tensor_type
     rows: dict[str, list[Any]] = {k: [] for kind in modalities for k in decoder.output_keys(kind)}
-    done: dict[bytes, DecodedMedia] = {}
+    padded = {k for kind in modalities for k in decoder.padded_keys(kind)}
+    done: dict[bytes, DecodedMedia] = {} if decoded is None else decoded
+    fresh = 0
     for index, handle in enumerate(media):
         if handle.kind not in modalities:
             raise UndeclaredModalityError(
@@ -106,26 +120,36 @@ def decode_media(
                 f"but modalities is {list(modalities)}"
             )
         provenance = handle.content_provenance() if by_content else handle.provenance
-        decoded = done.get(provenance)
-        if decoded is None:
-            decoded = done[provenance] = decoder.process(handle)
+        item = done.get(provenance)
+        if item is None:
+            item = done[provenance] = decoder.process(handle)
+            fresh += 1
         encoded = media_tokens[index] if media_tokens is not None else decoder.count(handle)
-        decoder.check_tokens(sample_key, handle, decoded, encoded)
+        decoder.check_tokens(sample_key, handle, item, encoded)
         for name in decoder.output_keys(handle.kind):
-            value = decoded.values.get(name)
+            value = item.values.get(name)
             if value is None:
                 raise SampleFormatError(
                     f"sample {sample_key!r}: decoding {handle.kind} {handle.key!r} gave no {name!r}"
                 )
-            rows[name].append(cls([value], 0, _segment_provenance=[provenance]))
+            rows[name].append(
+                cls([value], 0, pad_to_max_shape=name in padded, _segment_provenance=[provenance])
+            )
     out: dict[str, Any] = {}
     for name, items in rows.items():
         out[name] = (
             cls.merge_segments(items)
             if items
-            else cls([], 0, _row_offsets=[0, 0], _segment_indices=[], _segment_provenance=[])
+            else cls(
+                [],
+                0,
+                pad_to_max_shape=name in padded,
+                _row_offsets=[0, 0],
+                _segment_indices=[],
+                _segment_provenance=[],
+            )
         )
-    return out, len(done)
+    return out, fresh
 
 
 def _declared_size(handle: MediaHandle) -> str:

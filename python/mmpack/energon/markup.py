@@ -132,7 +132,7 @@ class MarkupEncoder:
                     frag_trainable.append(by_role if not flags else False)
                     media.append(part.media)
                     media_tokens.append(n)
-                    media_units += n
+                    media_units += part.media.num_units(media_settings)
                 elif part.text:
                     toks = next(text_iter)
                     if not toks:

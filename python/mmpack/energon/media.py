@@ -129,7 +129,17 @@ class MediaHandle:
     spelling: it names nothing about where the item is, so two cookers can give two different
     items the same one; it will be removed in the next release.)"""
 
-    __slots__ = ("_data", "_store", "identity", "key", "kind", "meta", "sample_key", "source")
+    __slots__ = (
+        "_data",
+        "_sizes",
+        "_store",
+        "identity",
+        "key",
+        "kind",
+        "meta",
+        "sample_key",
+        "source",
+    )
 
     def __init__(
         self,
@@ -171,6 +181,8 @@ class MediaHandle:
         self._data = data
         self._store = store
         self.meta = dict(meta or {})
+        # sizes read from the header, once per handle (token and unit counts both need them)
+        self._sizes: dict[Any, Any] = {}
 
     def __repr__(self) -> str:
         where = "inline" if self._data is not None else "store"
@@ -238,11 +250,16 @@ class MediaHandle:
         width, height = self.meta.get("width"), self.meta.get("height")
         if isinstance(width, int) and isinstance(height, int) and _positive(width, height):
             return width, height
+        cached: tuple[int, int] | None = self._sizes.get("image")
+        if cached is not None:
+            return cached
         from PIL import Image
 
         try:
             with self._header() as stream, Image.open(stream) as img:  # parses the header only
-                return int(img.size[0]), int(img.size[1])
+                size = int(img.size[0]), int(img.size[1])
+                self._sizes["image"] = size
+                return size
         except SampleFormatError:
             raise
         except Exception as err:
@@ -264,6 +281,9 @@ class MediaHandle:
                     f"{self.meta.get('duration')!r}; it must be a positive number of seconds"
                 )
             return max(1, math.ceil(duration * rate - _DURATION_EPS))
+        if "audio" in self._sizes:
+            frames, native = self._sizes["audio"]
+            return _resampled_length(frames, native, rate)
         import soundfile
 
         try:
@@ -282,6 +302,7 @@ class MediaHandle:
                 f"sample {self.sample_key!r}: audio {self.key!r} header gives {frames} frames "
                 f"at {native} Hz"
             )
+        self._sizes["audio"] = (frames, native)
         return _resampled_length(frames, native, rate)
 
     def video_shape(self) -> tuple[int, int, int]:
@@ -291,6 +312,9 @@ class MediaHandle:
         sizes = [v for v in declared if isinstance(v, int)]
         if len(sizes) == 3 and _positive(*sizes):
             return sizes[0], sizes[1], sizes[2]
+        cached: tuple[int, int, int] | None = self._sizes.get("video")
+        if cached is not None:
+            return cached
         try:
             import av
 
@@ -309,6 +333,7 @@ class MediaHandle:
                 f"sample {self.sample_key!r}: video {self.key!r} header gives {shape[0]} frames "
                 f"of {shape[2]}x{shape[1]}; declare 'frames', 'width' and 'height' in its metadata"
             )
+        self._sizes["video"] = shape
         return shape
 
     def num_tokens(self, settings: MediaSettings) -> int:
@@ -321,6 +346,18 @@ class MediaHandle:
         if self.kind == "audio":
             rate = _require(settings.audio_sampling_rate, "audio_sampling_rate")
             return _audio_tokens(self.audio_samples(rate), settings)
+        raise SampleFormatError(f"sample {self.sample_key!r}: unknown media kind {self.kind!r}")
+
+    def num_units(self, settings: MediaSettings) -> int:
+        """Media units of this item (``media_capacity``'s unit), from its metadata or header:
+        an image's patches (one token each), an audio clip's feature frames (one per
+        ``hop_length`` samples, before the downsampling that makes its tokens)."""
+        if self.kind == "image":
+            return self.num_tokens(settings)
+        if self.kind == "audio":
+            rate = _require(settings.audio_sampling_rate, "audio_sampling_rate")
+            hop = _require(settings.audio_hop_length, "audio_hop_length")
+            return max(1, math.ceil(self.audio_samples(rate) / hop))
         raise SampleFormatError(f"sample {self.sample_key!r}: unknown media kind {self.kind!r}")
 
     def decoded_tokens(self, value: Any, settings: MediaSettings) -> int:

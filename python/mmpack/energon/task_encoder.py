@@ -135,6 +135,8 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
         self.model_processor = ModelProcessor(processor) if is_model_processor(processor) else None
         if self.model_processor is not None:
             check_model_processor(self.model_processor, cfg.modalities)
+            if cfg.media_capacity is not None:
+                self.model_processor.require_unit_rule()
             self.media_settings = MediaSettings()
             if tokenizer is None:
                 tokenizer = processor.tokenizer
@@ -178,6 +180,10 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
         )
         self.stats = LoaderStats()
         self._skip_guard = ConsecutiveSkipGuard(self.stats, cfg.max_consecutive_skips)
+        # media decoded for the pack (or padded batch) being built, by provenance: Energon
+        # post-encodes every member of a pack, then packs them, so an item shared inside a
+        # pack is decoded once (a cache of equal values: it changes nothing that is produced)
+        self._pack_media: dict[bytes, Any] = {}
 
     def _probe_packer(self) -> None:
         """Fail at construction (not in a worker) if the packing options are invalid."""
@@ -409,8 +415,9 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
     def decode_media(self, sample: EncodedConversation) -> dict[str, Any]:
         """One `PackedTensor` row per output key of each configured modality, decoded by the
         decoder chosen at construction (`mmpack.energon.decoders.decode_media`): an item
-        referenced twice is decoded and stored once; raises `MediaTokenCountError` when an item
-        takes another number of tokens than the sample was encoded with."""
+        referenced twice, in this sample or in another member of its pack, is read, decoded
+        and stored once; raises `MediaTokenCountError` when an item takes another number of
+        tokens than the sample was encoded with."""
         decoded, n_decoded = decode_media(
             self.media_decoder,
             sample.__key__,
@@ -419,6 +426,7 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
             modalities=self.config.modalities,
             packed_tensor_type=self.packed_tensor_type,
             by_content=self.config.media_identity == "content",
+            decoded=self._pack_media,
         )
         if n_decoded:
             self.stats.add("decoded", n_decoded)
@@ -438,6 +446,8 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
 
     @stateless
     def pack_selected_samples(self, samples: list[EncodedConversation]) -> SftPack:
+        # the pack's members are decoded: the next pack starts with no shared media
+        self._pack_media.clear()
         if not samples:
             # Energon calls this with [] when postencode failed for every member (each failure
             # was already counted by the error handler): nothing to pack.
@@ -499,6 +509,8 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
 
     @stateless
     def batch(self, samples: list[Any]) -> SftBatch:
+        # without packing the members of a padded batch share the cache instead of a pack's
+        self._pack_media.clear()
         if samples and isinstance(samples[0], SftPack):
             keys = [k for p in samples for k in p.sample_keys]
             return SftBatch(

@@ -1,7 +1,8 @@
 """The PackedTensor wing: a logical batch of rows over deduplicated physical media segments.
 
 Rooms: ``value`` (the class), ``pickle_format`` (what a pickle holds and how it is read back),
-``pickle_operation`` (which tensors one pickling operation already wrote), ``gather`` (the one
+``pickle_operation`` (which tensors one pickling operation already wrote), ``ray_store``
+(through Ray's object store: each unique segment put once, read in place), ``gather`` (the one
 materialization path), ``transfer`` (device moves), ``payload`` (physical vs logical bytes).
 
 **How a pickling operation is detected.** The values of one pickle share the tensors they have

@@ -45,7 +45,14 @@ from mmpack.packed.transfer import (
     move_segments,
 )
 
-__all__ = ["COMPACT_MIN_SEGMENTS", "as_tensor", "padded_logical_nbytes", "segment_nbytes"]
+__all__ = [
+    "COMPACT_MIN_SEGMENTS",
+    "NOT_COVERED",
+    "as_tensor",
+    "as_tensor_from_store",
+    "padded_logical_nbytes",
+    "segment_nbytes",
+]
 
 #: Below this many output bytes (or with a one-thread gather pool), plain CPU segments are joined
 #: by one ``torch.cat``: the native gather's setup (~0.2 ms a call in Python) only pays off when
@@ -156,6 +163,60 @@ def as_tensor(
         outer,
         int(lens.sum()),
     )
+    return result
+
+
+#: What :func:`as_tensor_from_store` returns for segments it does not gather itself.
+NOT_COVERED: Any = object()
+
+
+def as_tensor_from_store(
+    segments: list[Any],
+    segment_indices: Any,
+    dim_to_pack: int,
+    pad_to_max_shape: bool,
+    out: torch.Tensor | None,
+    pin_memory: bool,
+) -> Any:
+    """``as_tensor`` on the CPU of segments read in place from Ray's object store
+    (``mmpack.packed.ray_store.StoreSegment``): the native gather copies the referenced bytes
+    straight from the store into the output, the only copy. Returns :data:`NOT_COVERED` for what
+    it does not reproduce exactly (padding, mixed dtypes or shapes, rank 0, segments that are
+    not store views); the caller then works on private copies."""
+    if pad_to_max_shape:
+        return NOT_COVERED
+    n = len(segments)
+    order = _logical_order(n, segment_indices)
+    is_none = np.fromiter((s is None for s in segments), dtype=bool, count=n)
+    if is_none.any():
+        order = order[~is_none[order]]
+    if order.size == 0:
+        return None
+    segs, src_order = _compact(segments, order)
+    first = segs[0]
+    if not hasattr(first, "array"):
+        return NOT_COVERED
+    dtype, rank = first.dtype, first.ndim
+    pack_dim = pack_dim_of(dim_to_pack, rank) if rank else None
+    if pack_dim is None:
+        return NOT_COVERED
+    shape0 = first.shape
+    for s in segs:
+        if not hasattr(s, "array") or s.dtype != dtype or s.ndim != rank:
+            return NOT_COVERED
+        sh = s.shape
+        if any(a != b for d, (a, b) in enumerate(zip(sh, shape0, strict=True)) if d != pack_dim):
+            return NOT_COVERED
+    sizes = np.fromiter((s.shape[pack_dim] for s in segs), dtype=np.int64, count=len(segs))
+    out_shape = list(shape0)
+    out_shape[pack_dim] = int(sizes[src_order].sum())
+    if out is not None:
+        result = _check_out(out, out_shape, dtype, torch.device("cpu"))
+    else:
+        result = host_buffer(out_shape, dtype, pin_memory)
+    if result.numel():
+        outer = math.prod(out_shape[:pack_dim])
+        _native.gather_into(byte_view(result), [s.array for s in segs], src_order, outer)
     return result
 
 
@@ -299,7 +360,7 @@ def padded_logical_nbytes(tensors: Sequence[Any], refs: Sequence[int], dim_to_pa
 
 
 def segment_nbytes(t: Any) -> int:
-    """Bytes of one segment (0 for ``None``)."""
+    """Bytes of one segment (0 for ``None``; a tensor or a store view)."""
     return 0 if t is None else int(t.numel()) * int(t.element_size())
 
 

@@ -33,6 +33,12 @@ belong to one operation, and what a group writes when another operation referenc
 ``mmpack.packed.pickle_operation``'s concern: a payload depends only on the values pickled into it.
 A group member that no value of the payload references may be an empty placeholder.
 
+**Through Ray.** While Ray's serializer runs (and the object-store path is on, see
+``mmpack.packed.ray_store``), ``segments`` is ``("mmpack.store-segments/1", codes, pos, refs,
+others)`` instead: ``codes[i] == k >= 0`` is member ``pos[i]`` of the chunk ``refs[k]`` (an
+``ObjectRef``), each unique segment put into the object store once. Such a value restores with
+its segments read in place (``__dict__["_store"]``) until ``tensors`` is first read.
+
 **Reading.** ``restore`` takes that state, NeMo-RL's current six-field ``__dict__`` state and
 its pre-deduplication three-field one (``tensors``, ``dim_to_pack``, ``pad_to_max_shape``). Any
 inconsistency in a state (truncated or corrupt bytes) is a ``LayoutError`` starting with
@@ -52,6 +58,7 @@ import torch
 
 from mmpack._native import LayoutError, MmpackError, PackedLayout
 from mmpack.errors import LayoutMismatchError
+from mmpack.packed import ray_store as _ray_store
 from mmpack.packed.pickle_operation import (
     GROUP_FORMAT,
     SEGMENTS_FORMAT,
@@ -68,7 +75,9 @@ if TYPE_CHECKING:
 __all__ = ["FIELDS", "RAW_FIELDS", "STATE_KEY", "reduce", "restore"]
 
 #: The instance attributes every value has (``_layout`` is the native handle).
-FIELDS = frozenset(("tensors", "dim_to_pack", "pad_to_max_shape", "_layout"))
+#: ``_store`` holds the segments of a value read in place from Ray's object store, until
+#: ``tensors`` is first read (``mmpack.packed.ray_store``).
+FIELDS = frozenset(("tensors", "dim_to_pack", "pad_to_max_shape", "_layout", "_store"))
 #: NeMo-RL's row mapping and provenance attributes, as its ``__dict__`` states hold them.
 RAW_FIELDS = ("_row_offsets", "_segment_indices", "_segment_provenance")
 CORRUPT = "corrupt PackedTensor pickle"
@@ -88,7 +97,8 @@ def reduce(value: PackedTensor, group_class: type[PackedTensor]) -> tuple[Any, .
     """``value.__reduce_ex__``'s result: the reconstructor and the state described above; the
     groups it makes unpickle as ``group_class``."""
     lay = value._lay()
-    tensors = value.tensors
+    for_ray = _ray_store.serializing_for_ray()
+    tensors = value._phys() if for_ray else value.tensors
     layout_state = None
     if lay is not None:
         offsets, indices = lay.offsets(), lay.indices()
@@ -102,6 +112,18 @@ def reduce(value: PackedTensor, group_class: type[PackedTensor]) -> tuple[Any, .
     if extra:
         _refuse_shadowing(type(value), extra, lambda why: _unwritable(value, why))
     dim_to_pack, pad_to_max_shape = _written_fields(value)
+    if for_ray:
+        blob = lay.provenance_blob() if lay is not None else None
+        state = {
+            STATE_KEY: 1,
+            "dim_to_pack": dim_to_pack,
+            "pad_to_max_shape": pad_to_max_shape,
+            "layout": layout_state,
+            "segments": _ray_store.encode_segments(tensors, blob),
+            "extra": extra,
+        }
+        THREADS.pending = None  # no group of this value: the pickler's class lookup starts nothing
+        return (copyreg._reconstructor, (type(value), object, None), state)  # type: ignore[attr-defined]
     op = THREADS.op()
     plan = plan_segments(tensors, op, group_class)
     state = {
@@ -330,6 +352,8 @@ def _restore_mmpack(obj: PackedTensor, state: dict[str, Any]) -> None:
     except MmpackError:
         raise
     except Exception as exc:  # a decoding boundary: every failure means a corrupt state
+        if type(exc).__module__.startswith("ray."):
+            raise  # the object store's own errors (an owner that died, ...) say what happened
         raise LayoutError(f"{CORRUPT}: {type(exc).__name__}: {exc}") from exc
 
 
@@ -340,7 +364,9 @@ def _restore_fields(obj: PackedTensor, state: dict[str, Any]) -> None:
         obj.pad_to_max_shape = False
         obj._layout = None
         return
-    tensors = _decode_segments(state["segments"])
+    segments = state["segments"]
+    in_store = isinstance(segments, tuple) and segments[:1] == (_ray_store.STORE_FORMAT,)
+    tensors = _ray_store.decode_segments(segments) if in_store else _decode_segments(segments)
     lay = None
     layout_state = state["layout"]
     if layout_state is not None:
@@ -366,7 +392,10 @@ def _restore_fields(obj: PackedTensor, state: dict[str, Any]) -> None:
         raise LayoutError(f"{CORRUPT}: extra attributes must be a dict of non-field names")
     if extra:
         _refuse_shadowing(type(obj), extra, _corrupt)
-    obj.tensors = tensors
+    if in_store:
+        obj._store = tensors  # read in place; ``tensors`` makes private copies on first read
+    else:
+        obj.tensors = tensors
     obj.dim_to_pack = fields["dim_to_pack"]
     obj.pad_to_max_shape = fields["pad_to_max_shape"]
     obj._layout = lay

@@ -150,21 +150,31 @@ def host_buffer(shape: Sequence[int], dtype: torch.dtype, pin_memory: bool) -> t
 # device moves
 
 
+def _in_store(t: Any) -> bool:
+    """A segment read in place from Ray's object store (``ray_store.StoreSegment``, which
+    depends on this module, hence the marker rather than the class)."""
+    return type(t) is not torch.Tensor and getattr(t, "read_in_place", False) is True
+
+
 def _stage(
-    segs: Sequence[torch.Tensor], target: torch.device, *, non_blocking: bool, pin_memory: bool
+    segs: Sequence[Any], target: torch.device, *, non_blocking: bool, pin_memory: bool
 ) -> list[torch.Tensor]:
     """Copy same-dtype CPU tensors into one (pinned) staging buffer with the native gather,
     move that buffer to ``target`` in one copy, and return views of it shaped like ``segs``."""
-    contiguous = [s.contiguous() for s in segs]
-    numels = [c.numel() for c in contiguous]
+    # store views (read in place from Ray's object store) are gathered from their bytes
+    sources = [s.array if _in_store(s) else byte_view(s.contiguous()) for s in segs]
+    shapes = [s.shape for s in segs]
+    numels = [math.prod(shape) for shape in shapes]
     staging = torch.empty(sum(numels), dtype=segs[0].dtype, pin_memory=pin_memory)
-    gather_bytes(staging, contiguous, np.arange(len(segs), dtype=np.int64), 1)
+    if staging.numel():
+        order = np.arange(len(segs), dtype=np.int64)
+        _native.gather_into(byte_view(staging), sources, order, 1)
     # with pinned memory, the caching host allocator keeps `staging` alive until the copy ran
     on_device = staging.to(target, non_blocking=non_blocking)
     views = []
     offset = 0
-    for c, n in zip(contiguous, numels, strict=True):
-        views.append(on_device[offset : offset + n].view(c.shape))
+    for shape, n in zip(shapes, numels, strict=True):
+        views.append(on_device[offset : offset + n].view(shape))
         offset += n
     return views
 
@@ -188,11 +198,18 @@ def move_segments(
         target = torch.device("cuda", torch.cuda.current_device())
     nb = non_blocking and to_cuda
     moved: dict[int, Any] = {}
-    staged: dict[torch.dtype, list[torch.Tensor]] = {}
+    staged: dict[torch.dtype, list[Any]] = {}
     direct_bytes = 0
     direct_copies = 0
     for t in tensors:
         if t is None or id(t) in moved:
+            continue
+        if _in_store(t):  # read-only store bytes: staged, or a private copy
+            if to_cuda and t.numel() > 0:
+                staged.setdefault(t.dtype, []).append(t)
+                moved[id(t)] = None
+            else:
+                moved[id(t)] = t.private().to(target)
             continue
         if to_cuda and is_plain_cpu(t) and t.numel() > 0:
             staged.setdefault(t.dtype, []).append(t)

@@ -53,6 +53,7 @@ from mmpack._native import (
 )
 from mmpack.packed import gather as _gather
 from mmpack.packed import pickle_format as _pickle_format
+from mmpack.packed import ray_store as _ray_store
 from mmpack.packed import transfer as _transfer
 
 __all__ = ["PackedTensor"]
@@ -166,6 +167,25 @@ def _layouts_of(values: list[Any]) -> list[PackedLayout | None]:
     return out
 
 
+class _PrivateTensors:
+    """``tensors`` of a value read in place from Ray's object store (its segments in
+    ``__dict__["_store"]``): the first read replaces them with private copies, so that no API
+    that hands out a segment can write into the store. Values built any other way hold
+    ``tensors`` in their ``__dict__``, which takes precedence over this (non-data) descriptor."""
+
+    def __get__(self, obj: Any, cls: Any = None) -> Any:
+        if obj is None:
+            return self
+        d = obj.__dict__
+        store = d.get("_store")
+        if store is None:
+            raise AttributeError(f"{type(obj).__name__!r} object has no attribute 'tensors'")
+        tensors = _ray_store.private_copies(store)
+        d["tensors"] = tensors
+        d.pop("_store", None)
+        return tensors
+
+
 # ---------------------------------------------------------------------------------------------
 # the class
 
@@ -182,7 +202,8 @@ class PackedTensor:
     # Class-level default: values built by ``__new__`` + ``__dict__`` assignment (old pickles,
     # NeMo-RL's own tests) have no handle yet; ``_lay()`` adopts their raw fields on first use.
     _layout: Any = _MISSING
-    tensors: list[Any]
+    _store: list[Any]
+    tensors: list[Any] = _PrivateTensors()  # type: ignore[assignment]
     dim_to_pack: Any
     pad_to_max_shape: Any
 
@@ -214,6 +235,31 @@ class PackedTensor:
         self._layout = _build_layout(
             len(items), _row_offsets, _segment_indices, _segment_provenance
         )
+
+    @classmethod
+    def _make_store(
+        cls, store: list[Any], dim_to_pack: Any, pad_to_max_shape: Any, layout: PackedLayout | None
+    ) -> PackedTensor:
+        """Like ``_make``, for segments read in place from the object store."""
+        obj = object.__new__(cls)
+        obj._store = store
+        obj.dim_to_pack = dim_to_pack
+        obj.pad_to_max_shape = pad_to_max_shape
+        obj._layout = layout
+        return obj
+
+    def _phys(self) -> list[Any]:
+        """The physical segments as held: ``tensors``, or the store views of a value read in
+        place (which only internal, read-only paths may see)."""
+        store = self.__dict__.get("_store")
+        return self._tensor_list() if store is None else store
+
+    def _remake(self, phys: list[Any], new: list[Any], layout: PackedLayout | None) -> PackedTensor:
+        """A value over ``new`` (selected from ``phys``, what ``_phys()`` gave), read in place
+        like ``self`` when ``phys`` was its store views."""
+        if phys is self.__dict__.get("_store"):
+            return type(self)._make_store(new, self.dim_to_pack, self.pad_to_max_shape, layout)
+        return type(self)._make(new, self.dim_to_pack, self.pad_to_max_shape, layout)
 
     @classmethod
     def _make(
@@ -314,7 +360,7 @@ class PackedTensor:
         lay = self._lay()
         if lay is not None and lay.is_csr:
             return lay.num_rows
-        return len(self.tensors)
+        return len(self._phys())
 
     @property
     def deduplication_enabled(self) -> bool:
@@ -330,8 +376,8 @@ class PackedTensor:
         """The number of non-``None`` segments in each logical row."""
         lay = self._lay()
         if lay is None or not lay.is_csr:
-            return PackedLayout.presence(self._tensor_list())
-        return lay.counts(self._tensor_list())
+            return PackedLayout.presence(self._phys())
+        return lay.counts(self._phys())
 
     def iter_logical_segments(self) -> Iterator[Any]:
         """Segments in logical row/segment order, ``None`` entries and repeats included."""
@@ -371,6 +417,9 @@ class PackedTensor:
         lay = self._layout
         if lay is _MISSING:
             lay = self._lay()
+        store = self.__dict__.get("_store")
+        if store is not None:  # read-only views: the copy may share them
+            return self._make_store(list(store), self.dim_to_pack, self.pad_to_max_shape, lay)
         if lay is not None and lay.has_provenance:
             tensors = list(self.tensors)
         else:
@@ -399,6 +448,15 @@ class PackedTensor:
         ``pin_memory=True`` (needs CUDA). See ``mmpack.packed.gather``."""
         lay = self._lay()
         indices = lay.indices() if lay is not None and lay.is_csr else None
+        store = self.__dict__.get("_store")
+        if store is not None and device is None:
+            result = _gather.as_tensor_from_store(
+                store, indices, self.dim_to_pack, self.pad_to_max_shape, out, pin_memory
+            )
+            if result is not _gather.NOT_COVERED:
+                return result
+        elif store is not None and device is not None:
+            self.to(device)  # staged to the device straight from the store, in place
         return _gather.as_tensor(
             self.tensors,
             indices,
@@ -414,20 +472,26 @@ class PackedTensor:
         unique segment moves once (to CUDA through one pinned staging buffer per dtype;
         ``non_blocking`` applies only towards CUDA). See
         ``mmpack.packed.transfer.move_segments``."""
-        self.__dict__["tensors"] = _transfer.move_segments(
-            self.tensors, device, non_blocking=non_blocking
+        d = self.__dict__
+        store = d.get("_store")
+        d["tensors"] = _transfer.move_segments(
+            self.tensors if store is None else store, device, non_blocking=non_blocking
         )
+        d.pop("_store", None)
         return self
 
     def to_dtype(self, dtype: torch.dtype) -> PackedTensor:
         """A new wrapper with floating segments cast to ``dtype``. Integer segments and ``None``
         stay the same objects. A real cast mints fresh provenance for every segment."""
-        tensors = self.tensors
+        store = self.__dict__.get("_store")
         requires = any(
             item is not None and item.is_floating_point() and item.dtype != dtype
-            for item in tensors
+            for item in (self.tensors if store is None else store)
         )
         lay = self._lay()
+        if store is not None and not requires:  # nothing to cast: still read in place
+            return type(self)._make_store(list(store), self.dim_to_pack, self.pad_to_max_shape, lay)
+        tensors = self.tensors
         if requires:
             new = [
                 item if item is None or not item.is_floating_point() else item.to(dtype=dtype)
@@ -457,15 +521,16 @@ class PackedTensor:
                 self.dim_to_pack,
                 pad_to_max_shape=self.pad_to_max_shape,
             )
+        phys = self._phys()
         if type(indices) is list:
             try:
-                new_lay, new_tensors = lay.slice(self._tensor_list(), indices)
+                new_lay, new_tensors = lay.slice(phys, indices)
             except OverflowError:  # ints beyond int64: NeMo-RL's IndexError
                 _rows_array(indices, len(self))
                 raise
         else:
-            new_lay, new_tensors = lay.slice(self._tensor_list(), _rows_array(indices, len(self)))
-        return type(self)._make(new_tensors, self.dim_to_pack, self.pad_to_max_shape, new_lay)
+            new_lay, new_tensors = lay.slice(phys, _rows_array(indices, len(self)))
+        return self._remake(phys, new_tensors, new_lay)
 
     @classmethod
     def empty_like(cls, other: PackedTensor) -> PackedTensor:
@@ -483,14 +548,18 @@ class PackedTensor:
         else:
             dedup_or_csr = other.deduplication_enabled or other._row_offsets is not None
         csr = dedup_or_csr or n == 0
+        too_big = f"num_rows={n} empty rows cannot be allocated"
         try:
             rows: Any = np.zeros(n + 1, dtype=np.int64) if csr else [None] * n
         except (MemoryError, ValueError) as exc:  # numpy: "array is too big"
-            raise IndexOverflowError(f"num_rows={n} empty rows cannot be allocated") from exc
+            raise IndexOverflowError(too_big) from exc
         if csr:
-            lay = PackedLayout.build(
-                0, rows, _EMPTY_I64, provenance_blob=b"" if dedup_or_csr else None
-            )
+            try:
+                lay = PackedLayout.build(
+                    0, rows, _EMPTY_I64, provenance_blob=b"" if dedup_or_csr else None
+                )
+            except IndexOverflowError as exc:  # the layout's own copy of the offsets
+                raise IndexOverflowError(too_big) from exc
             return cls._make([], other.dim_to_pack, other.pad_to_max_shape, lay)
         return cls(rows, other.dim_to_pack, pad_to_max_shape=other.pad_to_max_shape)
 
@@ -532,11 +601,11 @@ class PackedTensor:
         and holds the referenced segments in first-reference order, merged by provenance."""
         k = count_int(repeats, "repeats", error=IndexOverflowError)
         lay = self._lay()
-        tensors = self._tensor_list()
+        tensors = self._phys()
         if lay is None:
             lay = PackedLayout.build(len(tensors))
         new_lay, new_tensors = lay.repeat_interleave(tensors, k)
-        return type(self)._make(new_tensors, self.dim_to_pack, self.pad_to_max_shape, new_lay)
+        return self._remake(tensors, new_tensors, new_lay)
 
     def shard(self, num_shards: int) -> list[PackedTensor]:
         """``num_shards`` contiguous shards with equal row counts, each compacted to the
@@ -546,10 +615,8 @@ class PackedTensor:
         lay = self._lay()
         cls = type(self)
         if lay is not None:
-            return [
-                cls._make(t, self.dim_to_pack, self.pad_to_max_shape, sub)
-                for sub, t in lay.shard(self._tensor_list(), k)
-            ]
+            phys = self._phys()
+            return [self._remake(phys, t, sub) for sub, t in lay.shard(phys, k)]
         # The core splits the legacy layout too (its checks and messages); each shard stays
         # legacy, or is an empty CSR value when it has no rows (NeMo-RL's empty_rows_like).
         return [
@@ -577,14 +644,14 @@ class PackedTensor:
     def physical_nbytes(self) -> int:
         """Bytes of the physical segments (every non-``None`` entry of ``tensors``, each
         counted once per entry; unreferenced entries included)."""
-        return sum(_gather.segment_nbytes(t) for t in self.tensors)
+        return sum(_gather.segment_nbytes(t) for t in self._phys())
 
     def logical_nbytes(self) -> int:
         """Bytes ``as_tensor`` materializes: every logical reference counts its segment's
         bytes; with ``pad_to_max_shape``, the padded bytes (unpadded when the segments cannot
         be padded, where ``as_tensor`` raises). O(segments)."""
         lay = self._lay()
-        tensors = self._tensor_list()
+        tensors = self._phys()
         if self.pad_to_max_shape:
             return self._padded_logical_nbytes(lay, tensors)
         nbytes = [_gather.segment_nbytes(t) for t in tensors]

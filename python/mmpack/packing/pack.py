@@ -13,7 +13,7 @@ from numpy.typing import NDArray
 
 from mmpack import _native
 from mmpack._coerce import I64_MIN, lengths_array, optional_packing_int, packing_int
-from mmpack.errors import PackingArgumentError
+from mmpack.errors import BinCountError, PackingArgumentError
 from mmpack.packing.pyrandom import shuffle_order
 from mmpack.packing.result import Packing
 
@@ -105,19 +105,25 @@ def pack(
     if name == "first_fit_shuffle":
         seed_value = packing_int(seed, "seed", I64_MIN)
         order = shuffle_order(len(arr), random.Random(seed_value))
-    out = _native.pack(
-        arr,
-        cap,
-        name,
-        media=med,
-        media_capacity=med_cap,
-        max_items_per_bin=max_items,
-        min_bins=min_b,
-        bins_multiple_of=multiple,
-        on_oversize=on_oversize,
-        order=order,
-        search_budget=budget,
-    )
+    try:
+        out = _native.pack(
+            arr,
+            cap,
+            name,
+            media=med,
+            media_capacity=med_cap,
+            max_items_per_bin=max_items,
+            min_bins=min_b,
+            bins_multiple_of=multiple,
+            on_oversize=on_oversize,
+            order=order,
+            search_budget=budget,
+        )
+    except BinCountError as exc:
+        # the core words it for NeMo-RL's facade; name this function's arguments
+        raise BinCountError(
+            str(exc).replace("min_bin_count/bin_count_multiple", "min_bins/bins_multiple_of")
+        ) from None
     return Packing(
         bin_offsets=out.bin_offsets,
         item_indices=out.item_indices,

@@ -25,7 +25,15 @@ from contextvars import ContextVar
 
 from mmpack.errors import CorruptPickleError, PickleTooLargeError
 
-__all__ = ["DEFAULT_FACTOR", "DEFAULT_FLOOR", "LOAD_BUDGET", "Budget", "charge", "scan"]
+__all__ = [
+    "DEFAULT_FACTOR",
+    "DEFAULT_FLOOR",
+    "LOAD_BUDGET",
+    "Budget",
+    "charge",
+    "check_max_bytes",
+    "scan",
+]
 
 #: Without ``max_bytes``, a payload may cost this many times its own size ...
 DEFAULT_FACTOR = 32
@@ -43,10 +51,7 @@ class Budget:
     __slots__ = ("input_bytes", "limit", "used")
 
     def __init__(self, input_bytes: int, max_bytes: int | None) -> None:
-        if max_bytes is not None and (
-            not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes < 0
-        ):
-            raise TypeError(f"max_bytes must be a non-negative int or None, got {max_bytes!r}")
+        check_max_bytes(max_bytes)
         self.input_bytes = input_bytes
         self.limit = (
             DEFAULT_FACTOR * input_bytes + DEFAULT_FLOOR if max_bytes is None else max_bytes
@@ -62,6 +67,15 @@ class Budget:
                 f"{DEFAULT_FACTOR} x its size + {DEFAULT_FLOOR >> 20} MiB, pass max_bytes= to "
                 "allow more"
             )
+
+
+def check_max_bytes(max_bytes: object) -> None:
+    """``TypeError`` naming ``max_bytes`` unless it is ``None`` or a non-negative ``int``
+    (checked before the payload is read or copied)."""
+    if max_bytes is not None and (
+        not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes < 0
+    ):
+        raise TypeError(f"max_bytes must be a non-negative int or None, got {max_bytes!r}")
 
 
 #: The budget of the restricted load running in this context (``None`` outside one). Restoring

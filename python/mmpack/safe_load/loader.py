@@ -44,7 +44,7 @@ from typing import IO, Any
 
 from mmpack.errors import CorruptPickleError, MmpackError, UnsafePickleError
 from mmpack.packed.restore_charge import RESTORE_CHARGE
-from mmpack.safe_load.budget import LOAD_BUDGET, Budget, scan
+from mmpack.safe_load.budget import LOAD_BUDGET, Budget, check_max_bytes, scan
 from mmpack.safe_load.budget import charge as _charge
 
 __all__ = ["NEMO_RL_MODULE", "load", "loads"]
@@ -456,6 +456,7 @@ def loads(data: bytes | bytearray | memoryview, *, max_bytes: int | None = None)
     and ``TypeError`` for ``data`` that is not bytes-like."""
     if isinstance(data, str) or not isinstance(data, (bytes, bytearray, memoryview)):
         raise TypeError(f"loads expects bytes, got {type(data).__name__}")
+    check_max_bytes(max_bytes)
     raw = bytes(data)
     budget = Budget(len(raw), max_bytes)
     token = LOAD_BUDGET.set(budget)
@@ -478,6 +479,7 @@ def loads(data: bytes | bytearray | memoryview, *, max_bytes: int | None = None)
 
 def load(file: str | os.PathLike[str] | IO[bytes], *, max_bytes: int | None = None) -> Any:
     """``loads`` for a path or a binary file object (a pickle or a ``torch.save`` file)."""
+    check_max_bytes(max_bytes)
     if isinstance(file, (str, os.PathLike)):
         with open(file, "rb") as fh:
             return loads(fh.read(), max_bytes=max_bytes)

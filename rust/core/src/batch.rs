@@ -18,6 +18,7 @@
 //! `ignore_index` must not be a token id of the batch (else a label equal to it would silently
 //! leave the loss), and `pad_token_id` must be a token id (non-negative). [`check`] re-checks
 //! every rule on layouts built elsewhere.
+use crate::alloc;
 use crate::error::{CoreError, CoreResult};
 use crate::mask::{self, MaskView};
 
@@ -132,7 +133,8 @@ fn gcd(a: usize, b: usize) -> usize {
 /// The multiple every sample is padded to.
 ///
 /// # Errors
-/// `BatchOption` for `pad_to_multiple_of < 1` or `cp_size < 1`; `IndexOverflow`.
+/// `BatchOption` for `pad_to_multiple_of < 1` or `cp_size < 1`, or a multiple past `usize`
+/// (naming the option that makes it so).
 pub fn pad_multiple(pad_to_multiple_of: i64, cp_size: i64) -> CoreResult<usize> {
     let pad = usize::try_from(pad_to_multiple_of)
         .ok()
@@ -150,21 +152,95 @@ pub fn pad_multiple(pad_to_multiple_of: i64, cp_size: i64) -> CoreResult<usize> 
     if cp == 1 {
         return Ok(pad);
     }
-    let two_cp = cp.checked_mul(2).ok_or(CoreError::IndexOverflow {
-        what: "2 * cp_size",
-    })?;
+    let too_large = || {
+        option_error(
+            multiple_option(pad_to_multiple_of, cp_size),
+            format!(
+                "the padding multiple of pad_to_multiple_of={pad_to_multiple_of} and \
+                 cp_size={cp_size} (their least common multiple with 2 * cp_size) overflows"
+            ),
+        )
+    };
+    let two_cp = cp.checked_mul(2).ok_or_else(too_large)?;
     (pad / gcd(pad, two_cp))
         .checked_mul(two_cp)
-        .ok_or(CoreError::IndexOverflow {
-            what: "the padding multiple",
-        })
+        .ok_or_else(too_large)
+}
+
+/// The option blamed for a padding multiple that is too large: the larger of
+/// `pad_to_multiple_of` and `2 * cp_size`.
+fn multiple_option(pad_to_multiple_of: i64, cp_size: i64) -> &'static str {
+    if cp_size > 1 && pad_to_multiple_of / 2 < cp_size {
+        "cp_size"
+    } else {
+        "pad_to_multiple_of"
+    }
 }
 
 /// The options every builder checks first: the padding multiple and `pad_to_length`.
 struct Layout {
     multiple: usize,
     pad_to_length: Option<usize>,
+    /// The option a padding multiple too large for the batch is blamed on.
+    multiple_name: &'static str,
 }
+
+impl Layout {
+    /// `n` rounded up to the padding multiple.
+    fn round_up(&self, n: usize, opts: &BatchOptions) -> CoreResult<usize> {
+        let rem = n % self.multiple;
+        if rem == 0 {
+            return Ok(n);
+        }
+        n.checked_add(self.multiple - rem).ok_or_else(|| {
+            option_error(
+                self.multiple_name,
+                format!(
+                    "padding {n} tokens to a multiple of {} (pad_to_multiple_of={}, \
+                     cp_size={}) overflows",
+                    self.multiple, opts.pad_to_multiple_of, opts.cp_size
+                ),
+            )
+        })
+    }
+
+    /// A THD batch's `pad_to_length` fits its int32 offsets.
+    fn check_thd_target(&self) -> CoreResult<()> {
+        match self.pad_to_length {
+            Some(l) if l > THD_MAX => Err(option_error(
+                "pad_to_length",
+                format!(
+                    "{l} positions do not fit a THD batch, whose offsets (cu_seqlens) are int32: \
+                     at most {THD_MAX}"
+                ),
+            )),
+            _ => Ok(()),
+        }
+    }
+
+    /// The error for a batch of `cells` positions (`bytes` in all) that cannot be allocated:
+    /// blamed on `pad_to_length` or the padding multiple when they made it that large
+    /// (`padded`), else on the samples.
+    fn alloc_error(&self, cells: usize, bytes: Option<usize>, padded: bool) -> CoreError {
+        let size = bytes.map_or_else(|| "more than usize".to_owned(), |b| format!("{b} bytes"));
+        let detail =
+            format!("the batch needs {cells} positions ({size}), which cannot be allocated");
+        match (self.pad_to_length, padded) {
+            (Some(_), true) => option_error("pad_to_length", detail),
+            (None, true) => option_error(self.multiple_name, detail),
+            (_, false) => CoreError::IndexOverflow {
+                what: "the batch's size (its positions cannot be allocated)",
+            },
+        }
+    }
+}
+
+/// The most positions of a THD batch: its offsets are int32.
+const THD_MAX: usize = i32::MAX as usize;
+
+/// Bytes per position of the five per-position fields (`input_ids`, `labels`, `position_ids`
+/// as i64, the two masks as bool).
+const BYTES_PER_POSITION: usize = 3 * size_of::<i64>() + 2 * size_of::<bool>();
 
 fn check_options(opts: &BatchOptions) -> CoreResult<Layout> {
     if opts.pad_token_id < 0 {
@@ -184,6 +260,7 @@ fn check_options(opts: &BatchOptions) -> CoreResult<Layout> {
     Ok(Layout {
         multiple,
         pad_to_length,
+        multiple_name: multiple_option(opts.pad_to_multiple_of, opts.cp_size),
     })
 }
 
@@ -205,18 +282,6 @@ fn target_length(length: i64, multiple: usize, opts: &BatchOptions) -> CoreResul
         ));
     }
     Ok(l)
-}
-
-fn round_up(n: usize, multiple: usize) -> CoreResult<usize> {
-    let rem = n % multiple;
-    if rem == 0 {
-        Ok(n)
-    } else {
-        n.checked_add(multiple - rem)
-            .ok_or(CoreError::IndexOverflow {
-                what: "padded sequence length",
-            })
-    }
 }
 
 fn as_i32(v: usize) -> CoreResult<i32> {
@@ -307,14 +372,16 @@ struct Fields {
 }
 
 impl Fields {
-    fn with_capacity(n: usize) -> Self {
-        Self {
-            input_ids: Vec::with_capacity(n),
-            labels: Vec::with_capacity(n),
-            loss_mask: Vec::with_capacity(n),
-            token_mask: Vec::with_capacity(n),
-            position_ids: Vec::with_capacity(n),
-        }
+    /// Room for `n` positions in every field, or `err()` (nothing is written before the
+    /// whole batch has room).
+    fn with_capacity(n: usize, err: impl Fn() -> CoreError) -> CoreResult<Self> {
+        Ok(Self {
+            input_ids: alloc::vec_with_capacity(n, &err)?,
+            labels: alloc::vec_with_capacity(n, &err)?,
+            loss_mask: alloc::vec_with_capacity(n, &err)?,
+            token_mask: alloc::vec_with_capacity(n, &err)?,
+            position_ids: alloc::vec_with_capacity(n, &err)?,
+        })
     }
 
     /// One sample over `width >= tokens.len()` positions: its tokens, then padding.
@@ -371,15 +438,40 @@ impl Fields {
 }
 
 /// The padded width of every sample of a pack, the last one absorbing `pad_to_length`.
-fn pack_widths(samples: &[SampleRef<'_>], layout: &Layout) -> CoreResult<Vec<usize>> {
+///
+/// # Errors
+/// `BatchOption` naming the padding option when padding takes the pack past int32 offsets,
+/// or `pad_to_length` when the pack is longer; `IndexOverflow` when the tokens alone do.
+fn pack_widths(
+    samples: &[SampleRef<'_>],
+    layout: &Layout,
+    opts: &BatchOptions,
+) -> CoreResult<Vec<usize>> {
     let mut widths = Vec::with_capacity(samples.len());
     let mut total: usize = 0;
+    let mut tokens: usize = 0;
     for s in samples {
-        let w = round_up(s.tokens.len(), layout.multiple)?;
-        total = total.checked_add(w).ok_or(CoreError::IndexOverflow {
-            what: "padded pack length",
-        })?;
+        let w = layout.round_up(s.tokens.len(), opts)?;
+        // Never past usize: each sample is held in memory, and w < 2 * max(len, multiple).
+        tokens = tokens.saturating_add(s.tokens.len());
+        total = total.saturating_add(w);
         widths.push(w);
+    }
+    if total > THD_MAX {
+        if tokens > THD_MAX {
+            return Err(CoreError::IndexOverflow {
+                what: "cu_seqlens (int32)",
+            });
+        }
+        return Err(option_error(
+            layout.multiple_name,
+            format!(
+                "padding each of {} samples to a multiple of {} makes the pack {total} \
+                 positions, more than the {THD_MAX} its int32 offsets (cu_seqlens) hold",
+                samples.len(),
+                layout.multiple
+            ),
+        ));
     }
     if let Some(target) = layout.pad_to_length {
         if total > target {
@@ -425,18 +517,26 @@ pub fn build(samples: &[SampleRef<'_>], opts: &BatchOptions) -> CoreResult<ThdLa
         return Err(CoreError::EmptyBatch);
     }
     let layout = check_options(opts)?;
+    layout.check_thd_target()?;
 
     // Pass 1: layout (offsets and sizes), so nothing is allocated for a pack that cannot exist.
-    let widths = pack_widths(samples, &layout)?;
+    let widths = pack_widths(samples, &layout, opts)?;
     let cu_seqlens = offsets(samples.iter().map(|s| s.tokens.len()))?;
     let cu_seqlens_padded = offsets(widths.iter().copied())?;
-    let total = widths.iter().sum();
+    let total: usize = widths.iter().sum();
     let max_seqlen = widths.iter().copied().max().unwrap_or(0);
+    let tokens: usize = samples.iter().map(|s| s.tokens.len()).sum();
+    let longest = samples.iter().map(|s| s.tokens.len()).max().unwrap_or(0);
+
+    // The whole pack at once, before any of it is written.
+    let bytes = alloc::bytes_of::<u8>(total).and_then(|b| b.checked_mul(BYTES_PER_POSITION));
+    let refused = || layout.alloc_error(total, bytes, total > tokens);
+    alloc::probe(bytes, refused)?;
 
     // Pass 2, sample by sample: checks (tokens, then mask), then the arrays.
     let mut trainable_msgs = Vec::new();
-    let mut trainable = Vec::with_capacity(max_seqlen);
-    let mut fields = Fields::with_capacity(total);
+    let mut trainable = Vec::with_capacity(longest);
+    let mut fields = Fields::with_capacity(total, refused)?;
     let mut max_token = (-1i64, "");
     for (s, &width) in samples.iter().zip(&widths) {
         let top = sample_mask(s, opts, &mut trainable_msgs, &mut trainable)?;
@@ -482,7 +582,7 @@ pub fn build_padded(samples: &[SampleRef<'_>], opts: &BatchOptions) -> CoreResul
     }
     let layout = check_options(opts)?;
     let longest = samples.iter().map(|s| s.tokens.len()).max().unwrap_or(0);
-    let mut width = round_up(longest, layout.multiple)?;
+    let mut width = layout.round_up(longest, opts)?;
     if let Some(target) = layout.pad_to_length {
         if width > target {
             return Err(option_error(
@@ -497,13 +597,23 @@ pub fn build_padded(samples: &[SampleRef<'_>], opts: &BatchOptions) -> CoreResul
         width = target;
     }
     let rows = samples.len();
-    let cells = rows.checked_mul(width).ok_or(CoreError::IndexOverflow {
-        what: "rows * width",
-    })?;
+    // The whole batch at once (the per-position fields, the attention mask, the lengths),
+    // before any of it is written.
+    let cells = rows.checked_mul(width);
+    let bytes = cells.and_then(|c| {
+        alloc::total_bytes(&[
+            (c, BYTES_PER_POSITION + size_of::<bool>()),
+            (rows, size_of::<i64>()),
+        ])
+    });
+    let cells_shown = cells.unwrap_or(usize::MAX);
+    let refused = || layout.alloc_error(cells_shown, bytes, width > longest);
+    alloc::probe(bytes.filter(|&b| isize::try_from(b).is_ok()), refused)?;
+    let cells = cells.ok_or_else(refused)?;
     let mut trainable_msgs = Vec::new();
-    let mut trainable = Vec::with_capacity(width);
-    let mut fields = Fields::with_capacity(cells);
-    let mut attention_mask = Vec::with_capacity(cells);
+    let mut trainable = Vec::with_capacity(longest);
+    let mut fields = Fields::with_capacity(cells, refused)?;
+    let mut attention_mask = alloc::vec_with_capacity(cells, refused)?;
     let mut lengths = Vec::with_capacity(rows);
     let mut max_token = (-1i64, "");
     for s in samples {
@@ -557,6 +667,7 @@ pub fn concat(parts: &[ThdView<'_>], opts: &BatchOptions) -> CoreResult<ThdLayou
         return Err(CoreError::EmptyBatch);
     }
     let layout = check_options(opts)?;
+    layout.check_thd_target()?;
     let multiple = layout.multiple;
     let mut total: usize = 0;
     for (k, part) in parts.iter().enumerate() {
@@ -582,6 +693,11 @@ pub fn concat(parts: &[ThdView<'_>], opts: &BatchOptions) -> CoreResult<ThdLayou
                 what: "micro-batch length",
             })?;
     }
+    if total > THD_MAX {
+        return Err(CoreError::IndexOverflow {
+            what: "cu_seqlens (int32): the packs hold more positions than int32 offsets",
+        });
+    }
     let mut extra = 0;
     if let Some(target) = layout.pad_to_length {
         if total > target {
@@ -592,7 +708,12 @@ pub fn concat(parts: &[ThdView<'_>], opts: &BatchOptions) -> CoreResult<ThdLayou
         }
         extra = target - total;
     }
-    let mut fields = Fields::with_capacity(total + extra);
+    // `total + extra` is at most pad_to_length, itself at most THD_MAX.
+    let cells = total + extra;
+    let bytes = alloc::bytes_of::<u8>(cells).and_then(|b| b.checked_mul(BYTES_PER_POSITION));
+    let refused = || layout.alloc_error(cells, bytes, extra > 0);
+    alloc::probe(bytes, refused)?;
+    let mut fields = Fields::with_capacity(cells, refused)?;
     let mut cu_seqlens = vec![0i32];
     let mut cu_seqlens_padded = vec![0i32];
     let (mut base, mut base_padded) = (0usize, 0usize);

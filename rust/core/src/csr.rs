@@ -8,6 +8,7 @@
 //! re-check them (they `debug_assert!` instead). Operations return the new mapping and, where
 //! physical segments are selected or merged, which source segment lands at which output slot,
 //! so the caller can build the output tensor list without looking at the tensors here.
+use crate::alloc;
 use crate::error::{CoreError, CoreResult};
 use crate::intern::{mint, Interner, ProvId};
 
@@ -502,11 +503,9 @@ impl PackedLayout {
         }
         let per = rows / shards;
         // An empty value splits into any number of shards: refuse a count that cannot be held.
-        let mut out = Vec::new();
-        out.try_reserve_exact(shards)
-            .map_err(|_| CoreError::IndexOverflow {
-                what: "the shard list (out of memory)",
-            })?;
+        let too_many = || CoreError::ShardsTooMany { shards };
+        alloc::probe(alloc::bytes_of::<Selection>(shards), too_many)?;
+        let mut out = alloc::vec_with_capacity(shards, too_many)?;
         for s in 0..shards {
             // s * per + per <= rows: cannot overflow
             let start = s * per;
@@ -524,15 +523,19 @@ impl PackedLayout {
     /// `Repeats` if `repeats < 0`, `IndexOverflow` if the result does not fit.
     pub fn repeat_interleave(&self, repeats: i64) -> CoreResult<Selection> {
         let k = usize::try_from(repeats).map_err(|_| CoreError::Repeats { repeats })?;
-        let ovf = |what| CoreError::IndexOverflow { what };
         let rows = self.rows();
         let n_physical = self.n_physical;
-        let out_rows = rows.checked_mul(k).ok_or(ovf("the repeated row count"))?;
-        let out_refs = self
-            .refs()
-            .checked_mul(k)
-            .ok_or(ovf("the repeated reference count"))?;
-        to_i64(out_refs, "the repeated reference count")?;
+        let too_large = || CoreError::RepeatsTooLarge {
+            repeats,
+            rows,
+            refs: self.refs(),
+        };
+        let out_rows = rows.checked_mul(k).ok_or_else(too_large)?;
+        let out_refs = self.refs().checked_mul(k).ok_or_else(too_large)?;
+        i64::try_from(out_refs).map_err(|_| too_large())?;
+        // Both outputs in one request first (see `alloc::probe`).
+        let bytes = alloc::total_bytes(&[(out_rows.saturating_add(1), 8), (out_refs, 8)]);
+        alloc::probe(bytes, too_large)?;
         let minted;
         let provenance: &[ProvId] = match &self.provenance {
             Some(p) => p,
@@ -543,13 +546,9 @@ impl PackedLayout {
         };
         let mut table = Interner::with_capacity(if k == 0 { 0 } else { n_physical });
         let mut physical = Vec::new();
-        let too_big = |_| ovf("the repeated layout size (out of memory)");
-        let mut offsets: Vec<i64> = Vec::new();
-        offsets
-            .try_reserve_exact(out_rows.saturating_add(1))
-            .map_err(too_big)?;
-        let mut indices: Vec<i64> = Vec::new();
-        indices.try_reserve_exact(out_refs).map_err(too_big)?;
+        let mut offsets: Vec<i64> =
+            alloc::vec_with_capacity(out_rows.saturating_add(1), too_large)?;
+        let mut indices: Vec<i64> = alloc::vec_with_capacity(out_refs, too_large)?;
         let mut row_out: Vec<i64> = Vec::new();
         offsets.push(0i64);
         if k > 0 {

@@ -32,8 +32,17 @@ pub enum CoreError {
     ShardCount { shards: i64 },
     /// Rows that do not split into equal shards.
     ShardNotDivisible { rows: usize, shards: usize },
+    /// More shards (of an empty value) than can be allocated.
+    ShardsTooMany { shards: usize },
     /// A negative repeat count.
     Repeats { repeats: i64 },
+    /// A repeat count whose result (`rows * repeats` rows, `refs * repeats` references) does
+    /// not fit in int64 or cannot be allocated.
+    RepeatsTooLarge {
+        repeats: i64,
+        rows: usize,
+        refs: usize,
+    },
     /// Values to concatenate that are none, or differ in `field` (NeMo-RL's assertion).
     ConcatIncompatible { field: &'static str },
     /// A `flattened_concat` input (position `at`) with other than one row.
@@ -158,14 +167,23 @@ impl fmt::Display for CoreError {
             Self::ShardCount { shards } => {
                 write!(f, "num_shards must be a positive integer, got {shards}")
             }
+            Self::ShardsTooMany { shards } => write!(
+                f,
+                "num_shards={shards} is too large: the list of {shards} shards cannot be allocated"
+            ),
             Self::ShardNotDivisible { rows, shards } => write!(
                 f,
-                "cannot split {rows} rows into {shards} equal shards: \
+                "cannot split {rows} rows into {shards} equal shards (num_shards={shards}): \
                  {rows} is not a multiple of {shards}"
             ),
             Self::Repeats { repeats } => {
                 write!(f, "repeats must be a non-negative integer, got {repeats}")
             }
+            Self::RepeatsTooLarge { repeats, rows, refs } => write!(
+                f,
+                "repeats={repeats} is too large: {rows} rows and {refs} segment references \
+                 repeated {repeats} times do not fit in int64 or cannot be allocated"
+            ),
             Self::ConcatIncompatible { field } => {
                 write!(f, "All packed tensors must have the same {field}")
             }

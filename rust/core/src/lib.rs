@@ -2,6 +2,7 @@
 //! `Vec`s and `Result<_, CoreError>` out. The `mmpack-py` crate binds it.
 #![forbid(unsafe_code)]
 
+pub mod alloc;
 pub mod batch;
 pub mod csr;
 pub mod error;

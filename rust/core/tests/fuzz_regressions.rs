@@ -100,7 +100,7 @@ fn shard_of_empty_value_into_huge_count_is_refused() {
     for k in [i64::from(i32::MAX), 1 << 62, i64::MAX] {
         assert!(matches!(
             empty.shard(k),
-            Err(CoreError::IndexOverflow { .. })
+            Err(CoreError::ShardsTooMany { .. })
         ));
     }
     assert_eq!(empty.shard(3).map(|s| s.len()), Ok(3));

@@ -259,7 +259,9 @@ impl From<PyCoreError> for PyErr {
         let msg = err.0.to_string();
         match err.0 {
             // --- shared ---
-            CoreError::IndexOverflow { .. } => E::IndexOverflowError.new_err(msg),
+            CoreError::IndexOverflow { .. } | CoreError::RepeatsTooLarge { .. } => {
+                E::IndexOverflowError.new_err(msg)
+            }
             // --- PackedTensor ---
             CoreError::OffsetsStart
             | CoreError::OffsetsDecreasing { .. }
@@ -273,9 +275,9 @@ impl From<PyCoreError> for PyErr {
             CoreError::ConcatIncompatible { .. } | CoreError::FlattenedRows { .. } => {
                 PyAssertionError::new_err(msg)
             }
-            CoreError::ShardCount { .. } | CoreError::ShardNotDivisible { .. } => {
-                E::ShardError.new_err(msg)
-            }
+            CoreError::ShardCount { .. }
+            | CoreError::ShardNotDivisible { .. }
+            | CoreError::ShardsTooMany { .. } => E::ShardError.new_err(msg),
             // Only a wrong call of the private gather functions reaches these.
             CoreError::GatherIndex { .. }
             | CoreError::GatherUneven { .. }

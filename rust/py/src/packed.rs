@@ -7,6 +7,7 @@
 //! work. O(n) core work runs with the GIL released.
 use mmpack_core::csr::{self, ConcatInput, ConcatMode, ConcatOutcome, PackedLayout, Selection};
 use mmpack_core::intern::{self, prov_to_bytes, ProvId};
+use mmpack_core::{alloc, CoreError};
 use numpy::{IntoPyArray, PyArray1, PyArrayMethods};
 use pyo3::exceptions::{PyAttributeError, PyTypeError, PyValueError};
 use pyo3::intern;
@@ -14,6 +15,10 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyList, PyString, PyTuple};
 
 use crate::errors::PyCoreError;
+
+/// What one shard costs as Python objects, at least (about 0.3 KiB traced by `tracemalloc`, plus
+/// the native layout), rounded up.
+const SHARD_OBJECT_BYTES: usize = 1024;
 
 /// The row mapping and provenance of one `PackedTensor` (never the tensors themselves).
 #[pyclass(frozen, module = "mmpack._native", name = "PackedLayout")]
@@ -102,8 +107,18 @@ impl PyPackedLayout {
             (Some(o), Some(i)) => {
                 let (o, i) = (o.try_readonly()?, i.try_readonly()?);
                 let (o, i) = (o.as_slice()?, i.as_slice()?);
-                py.detach(|| PackedLayout::from_csr(o.to_vec(), i.to_vec(), n_physical))
-                    .map_err(PyCoreError)?
+                py.detach(|| {
+                    // Offsets may come from a count (`empty_rows_like`), not from held data.
+                    let refused = || CoreError::IndexOverflow {
+                        what: "the row layout (it cannot be allocated)",
+                    };
+                    let (o, i) = (
+                        alloc::try_to_vec(o, refused)?,
+                        alloc::try_to_vec(i, refused)?,
+                    );
+                    PackedLayout::from_csr(o, i, n_physical)
+                })
+                .map_err(PyCoreError)?
             }
             (None, None) => PackedLayout::legacy(n_physical),
             _ => {
@@ -314,6 +329,16 @@ impl PyPackedLayout {
         num_shards: i64,
     ) -> PyResult<Bound<'py, PyList>> {
         let inner = &self.inner;
+        // Each shard also becomes Python objects (its layout, a tuple, a list, and the caller's
+        // PackedTensor): an empty value splits into any count, so charge them before building.
+        if inner.rows() == 0 {
+            if let Ok(n) = usize::try_from(num_shards) {
+                alloc::probe(n.checked_mul(SHARD_OBJECT_BYTES), || {
+                    CoreError::ShardsTooMany { shards: n }
+                })
+                .map_err(PyCoreError)?;
+            }
+        }
         let shards = py.detach(|| inner.shard(num_shards)).map_err(PyCoreError)?;
         let out = shards
             .into_iter()

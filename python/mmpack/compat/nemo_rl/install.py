@@ -23,6 +23,7 @@ NEMO_RL_CLASS_PATH = f"{NEMO_RL_MODULE}.PackedTensor"
 
 class _InstallState:
     mode: str | None = None
+    store_was_on: bool = False
     accelerated: bool = False
     # (module or class, attribute name, previous value)
     patched: list[tuple[types.ModuleType | type, str, Any]] = []  # noqa: RUF012
@@ -42,6 +43,10 @@ def accelerated() -> bool:
 def install(*, accelerate: bool = False) -> str:
     """Make NeMo-RL use ``mmpack.PackedTensor``; return ``"patched"`` or ``"shim"``.
 
+    It also turns on the object-store path (``mmpack.packed.ray_store``): a value Ray
+    serializes puts each unique media segment into the object store once and carries
+    references; the receiver reads them in place. Plain pickles are unchanged.
+
     ``accelerate=True`` also sets mmpack's versions of NeMo-RL's hot ``BatchedDataDict`` methods
     (``mmpack.compat.nemo_rl.batched``); it needs NeMo-RL's ``batched_data_dict`` module to
     import, and raises ``ImportError`` naming it otherwise.
@@ -53,6 +58,11 @@ def install(*, accelerate: bool = False) -> str:
     batched = _batched_data_dict_module() if accelerate and not _InstallState.accelerated else None
     if _InstallState.mode is None:
         _install_class()
+        from mmpack.packed import ray_store
+
+        # Values Ray serializes put each unique media segment into the object store once.
+        _InstallState.store_was_on = ray_store.enabled()
+        ray_store.enable(True)
     if batched is not None:
         from mmpack.compat.nemo_rl.batched import accelerated_methods
 
@@ -129,6 +139,10 @@ def _set(owner: types.ModuleType | type, name: str, value: Any) -> None:
 
 def uninstall() -> None:
     """Undo ``install()``: restore every patched attribute and drop the shim modules."""
+    if _InstallState.mode is not None:
+        from mmpack.packed import ray_store
+
+        ray_store.enable(_InstallState.store_was_on)
     for owner, name, previous in reversed(_InstallState.patched):
         if previous is _MISSING:
             if name in owner.__dict__:

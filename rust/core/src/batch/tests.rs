@@ -462,6 +462,68 @@ fn options_validate_alone() {
     assert_eq!(bad(cp2), Some("pad_to_length"));
 }
 
+/// Sizes a caller chose that no batch can have: each a `BatchOption` naming the option (or
+/// `IndexOverflow` when the samples themselves are too many), never an abort.
+#[test]
+fn size_options_are_checked_before_allocating() {
+    let tokens = [5i64, 6, 7];
+    let mask = [1u8, 1, 1];
+    let one = [pre("'s'", &tokens, &mask)];
+    fn named<T>(r: CoreResult<T>) -> Option<&'static str> {
+        match r {
+            Err(CoreError::BatchOption { name, .. }) => Some(name),
+            _ => None,
+        }
+    }
+    let with = |multiple: i64, cp: i64, length: Option<i64>| BatchOptions {
+        pad_to_length: length,
+        ..opts(MaskMode::Precomputed, &[], multiple, cp)
+    };
+    let pre_opts = with(1, 1, None);
+    let packed = build(&one, &pre_opts).ok();
+    assert!(packed.is_some(), "a 3-token pack builds");
+    let Some(packed) = packed else {
+        return;
+    };
+    let (lm, tm) = (bytes(&packed.loss_mask), bytes(&packed.token_mask));
+    let parts = [view(&packed, &lm, &tm)];
+    for huge in [1i64 << 31, 1 << 40, 1 << 42, i64::MAX] {
+        // THD offsets are int32
+        assert_eq!(
+            named(build(&one, &with(1, 1, Some(huge)))),
+            Some("pad_to_length")
+        );
+        assert_eq!(
+            named(concat(&parts, &with(1, 1, Some(huge)))),
+            Some("pad_to_length")
+        );
+        assert_eq!(
+            named(build(&one, &with(huge, 1, None))),
+            Some("pad_to_multiple_of")
+        );
+        assert_eq!(named(build(&one, &with(1, huge, None))), Some("cp_size"));
+    }
+    // (sizes whose bytes overflow usize: refused whatever the machine's memory)
+    for huge in [1i64 << 61, i64::MAX] {
+        let o = with(1, 1, Some(huge));
+        assert_eq!(named(build_padded(&one, &o)), Some("pad_to_length"));
+        assert_eq!(
+            named(build_padded(&one, &with(huge, 1, None))),
+            Some("pad_to_multiple_of")
+        );
+        assert_eq!(
+            named(build_padded(&one, &with(1, huge, None))),
+            Some("cp_size")
+        );
+    }
+    // rows * width past usize with a modest width: blamed on the padding that made it so
+    let many: Vec<SampleRef<'_>> = std::iter::repeat_n(one[0], 1 << 20).collect();
+    assert_eq!(
+        named(build_padded(&many, &with(1 << 50, 1, None))),
+        Some("pad_to_multiple_of")
+    );
+}
+
 proptest! {
     /// Layout invariants for random precomputed-mask samples and options; every layout built
     /// passes the checker.

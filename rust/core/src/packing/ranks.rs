@@ -6,6 +6,7 @@
 use std::cmp::Reverse;
 use std::collections::BinaryHeap;
 
+use crate::alloc;
 use crate::error::{CoreError, CoreResult};
 
 /// What a bin costs.
@@ -95,19 +96,17 @@ pub fn assign_to_ranks(
             format!("{num_ranks} ranks: the per-rank arrays do not fit in memory"),
         )
     };
-    let rank_array = |len: Option<usize>| -> CoreResult<Vec<i64>> {
-        let mut v = Vec::new();
-        v.try_reserve_exact(len.ok_or_else(too_many)?)
-            .map_err(|_| too_many())?;
-        Ok(v)
-    };
-    // Both arrays in one request first: an allocator that checks each request against memory
-    // (Linux's default overcommit heuristic) then refuses a total that two requests would pass.
-    drop(rank_array(
-        num_ranks.checked_mul(2).and_then(|n| n.checked_add(1)),
-    )?);
-    let mut rank_offsets = rank_array(num_ranks.checked_add(1))?;
-    let mut rank_costs = rank_array(Some(num_ranks))?;
+    // Both arrays in one request first (see `alloc::probe`).
+    alloc::probe(
+        num_ranks
+            .checked_mul(2)
+            .and_then(|n| n.checked_add(1))
+            .and_then(alloc::bytes_of::<i64>),
+        too_many,
+    )?;
+    let mut rank_offsets: Vec<i64> =
+        alloc::vec_with_capacity(num_ranks.checked_add(1).ok_or_else(too_many)?, too_many)?;
+    let mut rank_costs: Vec<i64> = alloc::vec_with_capacity(num_ranks, too_many)?;
     let busy = num_ranks.min(nb);
     let cap = nb.div_ceil(num_ranks).max(1);
     let mut heap: BinaryHeap<Reverse<(i64, usize)>> = (0..busy).map(|r| Reverse((0, r))).collect();

@@ -1,0 +1,431 @@
+"""Packed media through Ray's object store: each unique physical segment is put once, and every
+value that references it carries an ``ObjectRef``; a receiver reads the segments in place.
+
+**Writing.** While Ray serializes an object (a task or actor argument, a return value,
+``ray.put``), Ray's serialization context flags the thread as in-band; then, with the store path
+on (:func:`enable`, which ``mmpack.compat.nemo_rl.install()`` calls), ``PackedTensor`` pickles its
+plain CPU segments as references. Segments this process has not put yet go into the store as
+one object per pickled value (a *chunk*: the segments' bytes as out-of-band buffers, their
+dtypes and shapes); a process-wide table maps each segment's identity (its provenance id, or the
+tensor object itself without provenance) to ``(chunk ref, member)``. An entry lives exactly as
+long as the segment tensor it was made for (a weak reference), so the table never keeps store
+memory alive: once the values and the shards that reference a chunk are gone, Ray frees it.
+The pickled value holds the chunk refs, so Ray counts them as nested references of whatever
+object carries the value. The put runs on a helper thread: Ray's per-thread serialization state
+(which refs the outer object contains) must not be reset by a nested serialization.
+
+**Reading.** The segments come back as :class:`StoreSegment` s: read-only byte views into the
+store plus dtype and shape, holding their chunk's ref (a segment is never freed while a value
+that references it lives). ``PackedTensor`` keeps them out of its ``tensors`` list: reading
+``tensors`` (or any API that hands out a segment) first turns them into private copies, so
+nothing can write into the store; ``as_tensor()`` gathers straight from the views.
+
+Outside Ray's serialization nothing here runs, and plain pickles are unchanged.
+:func:`store_counters` reports what this process put into and read from the store.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import threading
+import weakref
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+
+from mmpack.packed.pickle_operation import BUFFER_DTYPES, bufferable, i64_bytes
+from mmpack.packed.transfer import byte_view
+
+__all__ = [
+    "CHUNK_FORMAT",
+    "STORE_FORMAT",
+    "StoreCounters",
+    "StoreSegment",
+    "decode_segments",
+    "enable",
+    "enabled",
+    "encode_segments",
+    "private_copies",
+    "put_refs",
+    "serializing_for_ray",
+    "store_counters",
+    "store_used_bytes",
+]
+
+#: The segments tuple of a value pickled for Ray: ``(STORE_FORMAT, codes, pos, refs, others)``,
+#: ``codes[i] == k >= 0`` meaning member ``pos[i]`` of chunk ``refs[k]``.
+STORE_FORMAT = "mmpack.store-segments/1"
+#: What one ``ray.put`` holds: ``(CHUNK_FORMAT, dtype names, shapes, byte arrays)``.
+CHUNK_FORMAT = "mmpack.store-chunk/1"
+#: The environment variable that turns the store path on at import (also read by the startup
+#: hook, ``mmpack._startup``).
+ENV_VAR = "MMPACK_INSTALL"
+_DTYPES = {name: dtype for dtype, name in BUFFER_DTYPES.items()}
+
+
+def _env_on() -> bool:
+    return os.environ.get(ENV_VAR, "").strip() not in ("", "0")
+
+
+class _State:
+    on = _env_on()
+
+
+def enable(on: bool = True) -> None:
+    """Turn the store path on (or off) in this process."""
+    _State.on = bool(on)
+
+
+def enabled() -> bool:
+    """Whether values pickled by Ray's serializer in this process put their segments once."""
+    return _State.on
+
+
+def serializing_for_ray() -> bool:
+    """Whether the running pickling operation is Ray's serialization (and the path is on)."""
+    if not _State.on:
+        return False
+    worker_module = sys.modules.get("ray._private.worker")
+    if worker_module is None:
+        return False
+    # Ray flags the serializing thread on its job's serialization context; looking the
+    # context up by job id costs microseconds a value, and there is one context a job.
+    contexts = getattr(worker_module.global_worker, "serialization_context_map", None)
+    if not contexts:
+        return False
+    return any(ctx.is_in_band_serialization() for ctx in list(contexts.values()))
+
+
+# ---------------------------------------------------------------------------------------------
+# counters
+
+
+@dataclasses.dataclass
+class StoreCounters:
+    """What this process wrote into and read from Ray's object store for packed media, since
+    it started (or the last ``reset``)."""
+
+    put_objects: int = 0
+    put_bytes: int = 0
+    put_segments: int = 0
+    #: segments pickled as a reference to a chunk put earlier (by this process or another)
+    reused_segments: int = 0
+    get_objects: int = 0
+    get_bytes: int = 0
+
+    def reset(self) -> None:
+        for field in dataclasses.fields(self):
+            setattr(self, field.name, 0)
+
+    def as_dict(self) -> dict[str, int]:
+        return dataclasses.asdict(self)
+
+
+_COUNTERS = StoreCounters()
+
+
+def store_counters() -> StoreCounters:
+    """This process's object-store counters (a live object; ``reset()`` zeroes them)."""
+    return _COUNTERS
+
+
+def store_used_bytes() -> float:
+    """Bytes in use in the object stores of the running Ray cluster (Ray reports them as the
+    unavailable part of the ``object_store_memory`` resource, refreshed on each raylet's
+    heartbeat): a run's store memory before and after, to see it return to its baseline."""
+    import ray
+
+    total = ray.cluster_resources().get("object_store_memory", 0.0)
+    return float(total - ray.available_resources().get("object_store_memory", 0.0))
+
+
+def put_refs() -> list[Any]:
+    """The chunks this process put that a live segment still maps to (one ``ObjectRef``
+    each): what ``ray.experimental.get_object_locations`` can follow across nodes."""
+    seen: dict[Any, None] = {}
+    for entry in list(_PUT.values()):
+        seen.setdefault(entry.ref, None)
+    return list(seen)
+
+
+# ---------------------------------------------------------------------------------------------
+# what the receiver holds
+
+
+class _Chunk:
+    """One fetched chunk: read-only byte views into the store, and the ref that keeps it."""
+
+    __slots__ = ("__weakref__", "arrays", "dtypes", "ref", "shapes")
+
+    def __init__(self, ref: Any, payload: Any) -> None:
+        fmt, names, shapes, arrays = payload
+        if fmt != CHUNK_FORMAT or not len(names) == len(shapes) == len(arrays):
+            raise ValueError(f"unknown or inconsistent store chunk {fmt!r}")
+        self.ref = ref
+        self.dtypes = [_DTYPES[name] for name in names]
+        self.shapes = [tuple(int(d) for d in s) for s in shapes]
+        self.arrays = arrays
+
+
+class StoreSegment:
+    """A physical segment read in place from Ray's object store: a read-only byte view, its
+    dtype and shape. It holds its chunk (and so the chunk's ``ObjectRef``) alive."""
+
+    __slots__ = ("chunk", "j")
+    #: what ``mmpack.packed.transfer`` recognises a store view by
+    read_in_place = True
+
+    def __init__(self, chunk: _Chunk, j: int) -> None:
+        self.chunk = chunk
+        self.j = j
+
+    @property
+    def array(self) -> np.ndarray:
+        """The segment's bytes (read-only ``uint8``, C order)."""
+        return self.chunk.arrays[self.j]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.chunk.dtypes[self.j]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.chunk.shapes[self.j]
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def numel(self) -> int:
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n
+
+    def element_size(self) -> int:
+        return self.dtype.itemsize
+
+    def is_floating_point(self) -> bool:
+        return self.dtype.is_floating_point
+
+    def private(self) -> torch.Tensor:
+        """A private, writable copy of the segment."""
+        out = torch.empty(self.shape, dtype=self.dtype)
+        if out.numel():
+            byte_view(out)[:] = self.array
+        return out
+
+    def __repr__(self) -> str:
+        return f"StoreSegment(shape={self.shape}, dtype={self.dtype}, read-only)"
+
+
+def private_copies(segments: list[Any]) -> list[Any]:
+    """``segments`` with every :class:`StoreSegment` replaced by a private copy (a segment
+    listed twice is copied once, and both slots get the same tensor)."""
+    copies: dict[int, torch.Tensor] = {}
+    out: list[Any] = []
+    for s in segments:
+        if isinstance(s, StoreSegment):
+            c = copies.get(id(s))
+            if c is None:
+                c = copies[id(s)] = s.private()
+            out.append(c)
+        else:
+            out.append(s)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# writing
+
+
+class _Entry:
+    __slots__ = ("dtype", "j", "ref", "shape", "wref")
+
+    def __init__(self, ref: Any, j: int, t: torch.Tensor, wref: weakref.ref[torch.Tensor]) -> None:
+        self.ref = ref
+        self.j = j
+        self.dtype = t.dtype
+        self.shape = tuple(t.shape)
+        self.wref = wref
+
+
+# segment identity -> where it is in the store; entries leave with their tensor
+_PUT: dict[Any, _Entry] = {}
+# chunks this process read, by object id: a second value referencing one maps no new bytes
+_READ: weakref.WeakValueDictionary[bytes, _Chunk] = weakref.WeakValueDictionary()
+_LOCK = threading.Lock()
+
+
+class _Putter:
+    """The helper thread that runs ``ray.put`` outside the serializing thread."""
+
+    pool: ThreadPoolExecutor | None = None
+    pid = -1
+
+    @classmethod
+    def put(cls, payload: Any) -> Any:
+        import ray
+
+        if cls.pool is None or cls.pid != os.getpid():  # a forked child needs its own thread
+            cls.pool = ThreadPoolExecutor(1, thread_name_prefix="mmpack-ray-put")
+            cls.pid = os.getpid()
+        return cls.pool.submit(ray.put, payload).result()
+
+
+def _forget(key: Any, entry: _Entry) -> Any:
+    def callback(_: Any) -> None:
+        if _PUT.get(key) is entry:
+            _PUT.pop(key, None)
+
+    return callback
+
+
+def _lookup(key: Any, t: torch.Tensor, by_provenance: bool) -> _Entry | None:
+    entry = _PUT.get(key)
+    if entry is None:
+        return None
+    alive = entry.wref()
+    if alive is None or (not by_provenance and alive is not t):
+        return None
+    if entry.dtype != t.dtype or entry.shape != tuple(t.shape):
+        return None  # not the segment it claims to be: put it again rather than trust it
+    return entry
+
+
+def encode_segments(segments: list[Any], provenance: bytes | None) -> tuple[Any, ...]:
+    """The store-segments tuple of a value (see the module docs); puts the segments not in the
+    store yet as one chunk."""
+    n = len(segments)
+    codes = [-1] * n
+    pos = [0] * n
+    refs: list[Any] = []
+    ref_slot: dict[Any, int] = {}
+    others: list[Any] = []
+    seen: dict[int, tuple[int, int]] = {}
+    fresh: list[tuple[int, Any, torch.Tensor]] = []  # (slot, key, tensor)
+    fresh_at: dict[int, int] = {}
+    reused = 0
+
+    def slot_of(ref: Any) -> int:
+        k = ref_slot.get(ref)
+        if k is None:
+            k = ref_slot[ref] = len(refs)
+            refs.append(ref)
+        return k
+
+    for i, t in enumerate(segments):
+        if t is None:
+            continue
+        if id(t) in fresh_at:
+            codes[i] = -3
+            continue
+        hit = seen.get(id(t))
+        if hit is not None:
+            codes[i], pos[i] = hit
+            continue
+        if isinstance(t, StoreSegment):
+            hit = (slot_of(t.chunk.ref), t.j)
+            reused += 1
+        elif bufferable(t):
+            key: Any = provenance[16 * i : 16 * i + 16] if provenance else id(t)
+            entry = _lookup(key, t, provenance is not None)
+            if entry is not None:
+                hit = (slot_of(entry.ref), entry.j)
+                reused += 1
+            else:
+                fresh_at[id(t)] = len(fresh)
+                fresh.append((i, key, t))
+                codes[i] = -3  # filled in once the chunk is put
+        else:
+            hit = (-2, len(others))
+            others.append(t)
+        if hit is not None:
+            seen[id(t)] = hit
+            codes[i], pos[i] = hit
+    if fresh:
+        ref = _put_chunk(fresh)
+        k = slot_of(ref)
+        for i, t in enumerate(segments):
+            if codes[i] == -3:
+                assert t is not None
+                codes[i], pos[i] = k, fresh_at[id(t)]
+    _COUNTERS.reused_segments += reused
+    return (STORE_FORMAT, i64_bytes(codes), i64_bytes(pos), refs, others)
+
+
+def _put_chunk(fresh: list[tuple[int, Any, torch.Tensor]]) -> Any:
+    contiguous = [t.contiguous() for _, _, t in fresh]
+    arrays = [byte_view(c) for c in contiguous]
+    payload = (
+        CHUNK_FORMAT,
+        [BUFFER_DTYPES[c.dtype] for c in contiguous],
+        [tuple(c.shape) for c in contiguous],
+        arrays,
+    )
+    ref = _Putter.put(payload)
+    with _LOCK:
+        for j, (_, key, t) in enumerate(fresh):
+            entry = _Entry(ref, j, t, weakref.ref(t))
+            entry.wref = weakref.ref(t, _forget(key, entry))
+            _PUT[key] = entry
+    _COUNTERS.put_objects += 1
+    _COUNTERS.put_segments += len(fresh)
+    _COUNTERS.put_bytes += sum(a.nbytes for a in arrays)
+    return ref
+
+
+# ---------------------------------------------------------------------------------------------
+# reading
+
+
+def decode_segments(payload: Any) -> list[Any]:
+    """The physical segment list of a store-segments tuple: :class:`StoreSegment` s (one per
+    referenced member), ``None`` and the inline ``others``."""
+    import ray
+
+    fmt, codes, pos, refs, others = payload
+    if fmt != STORE_FORMAT:
+        raise ValueError(f"unknown PackedTensor store format {fmt!r}")
+    codes_a = np.frombuffer(codes, dtype="<i8").tolist()
+    pos_a = np.frombuffer(pos, dtype="<i8").tolist()
+    if len(codes_a) != len(pos_a):
+        raise ValueError("inconsistent segment tables")
+    chunks: list[_Chunk | None] = [None] * len(refs)
+    missing = []
+    for k, ref in enumerate(refs):
+        chunk = _READ.get(ref.binary())
+        if chunk is None:
+            missing.append(k)
+        chunks[k] = chunk
+    if missing:
+        fetched = ray.get([refs[k] for k in missing])
+        for k, data in zip(missing, fetched, strict=True):
+            chunk = _Chunk(refs[k], data)
+            _READ[refs[k].binary()] = chunk
+            chunks[k] = chunk
+            _COUNTERS.get_objects += 1
+            _COUNTERS.get_bytes += sum(a.nbytes for a in chunk.arrays)
+    made: dict[tuple[int, int], StoreSegment] = {}
+    out: list[Any] = []
+    for c, j in zip(codes_a, pos_a, strict=True):
+        if c >= 0:
+            seg = made.get((c, j))
+            if seg is None:
+                chunk = chunks[c]
+                assert chunk is not None
+                if not 0 <= j < len(chunk.arrays):
+                    raise ValueError("a segment references a member its chunk does not have")
+                seg = made[(c, j)] = StoreSegment(chunk, j)
+            out.append(seg)
+        elif c == -1:
+            out.append(None)
+        elif c == -2:
+            out.append(others[j])
+        else:
+            raise ValueError("inconsistent segment tables")
+    return out
