@@ -22,7 +22,6 @@ from mmpack._coerce import (
 )
 from mmpack.batch.fields import (
     THD_FIELDS,
-    THD_MAX_LENGTH,
     check_scalars,
     check_tensor_fields,
     layout_of,
@@ -33,12 +32,7 @@ from mmpack.batch.fields import (
 )
 from mmpack.batch.options import BatchOptions, resolve_options
 from mmpack.batch.samples import EncodedSample
-from mmpack.errors import (
-    BatchLayoutError,
-    BatchOptionError,
-    EmptySampleError,
-    IndexOverflowError,
-)
+from mmpack.errors import BatchLayoutError, BatchOptionError, EmptySampleError
 
 if TYPE_CHECKING:
     from typing_extensions import Unpack
@@ -283,15 +277,9 @@ def micro_batch(
     ``PackedBatch`` or a pack off the host; ``BatchOptionError`` for options out of range, packs
     with different ``pad_token_id`` / ``ignore_index``, or packs longer than ``pad_to_length``;
     ``BatchLayoutError`` naming the pack whose fields disagree or whose samples are not padded
-    to the multiple; ``IndexOverflowError`` for a ``pad_to_length`` past ``cu_seqlens``'s int32.
+    to the multiple.
     """
     opts = resolve_options(options, keywords, caller="micro_batch")
-    if opts.pad_to_length is not None and opts.pad_to_length > THD_MAX_LENGTH:
-        # refused before the core allocates the whole width (a failed allocation aborts)
-        raise IndexOverflowError(
-            f"micro_batch: pad_to_length={opts.pad_to_length} does not fit cu_seqlens (int32, "
-            f"at most {THD_MAX_LENGTH} positions)"
-        )
     packs = list(packs)
     if not packs:
         raise EmptySampleError("micro_batch needs at least one pack, got none")
