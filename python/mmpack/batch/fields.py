@@ -19,6 +19,7 @@ __all__ = [
     "FIELDS",
     "PADDED_FIELDS",
     "THD_FIELDS",
+    "THD_MAX_LENGTH",
     "Field",
     "check_scalars",
     "check_tensor_fields",
@@ -70,6 +71,9 @@ FIELDS: tuple[Field, ...] = (
     Field("attention_mask", torch.bool, "tokens", "input_ids", _PADDED),
     Field("lengths", torch.int64, "rows", "rows", _PADDED),
 )
+
+#: The longest THD pack or micro-batch: ``cu_seqlens`` / ``cu_seqlens_padded`` are int32.
+THD_MAX_LENGTH = 2**31 - 1
 
 #: The fields of a THD pack, and of padded rows, in declaration order.
 THD_FIELDS = tuple(f for f in FIELDS if "thd" in f.layouts)

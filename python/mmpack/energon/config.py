@@ -69,8 +69,9 @@ class PackingEncoderConfig:
             sample counts with its padding (`mmpack.batch.BatchOptions.padded_length`:
             ``pad_to_multiple_of``, and ``2 * cp_size`` with context parallelism), so no pack
             is longer and ``SftBatch.micro_batch`` with ``pad_to_length=capacity *
-            batch_size`` holds every batch. A multiple of that padding multiple (checked by
-            the encoder at construction).
+            batch_size`` holds every batch. A multiple of that padding multiple, and
+            ``capacity * batch_size`` at most ``2**31 - 1`` (``cu_seqlens`` are int32); both
+            checked by the encoder at construction.
         packing_buffer_size: encoded samples each `select_samples_to_pack` call sees (per worker).
         algorithm: an algorithm name of `mmpack.packing.pack`.
         max_items_per_bin: optional cap on samples per pack (``max_items_per_bin`` of

@@ -31,9 +31,11 @@ from typing import Any, ClassVar
 
 import numpy as np
 from megatron.energon import DefaultTaskEncoder, SkipSample, stateless
+from megatron.energon.errors import FatalSampleError
 
 from mmpack import PackedTensor
 from mmpack.batch import EncodedSample, PackedBatch, pack_samples
+from mmpack.batch.fields import THD_MAX_LENGTH
 from mmpack.batch.options import BatchOptions
 from mmpack.batch.padded import PaddedBatch, pad_samples
 from mmpack.energon.config import PackingEncoderConfig
@@ -214,8 +216,16 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
     def _check_capacity(self) -> None:
         """Refuse a ``capacity`` that no pack can have: every sample is padded to the padding
         multiple, so a pack's length is a multiple of it, and so must the fixed length of a
-        micro-batch be (``pad_to_length=capacity * batch_size``)."""
+        micro-batch be (``pad_to_length=capacity * batch_size``), which ``cu_seqlens`` (int32)
+        must hold."""
         capacity = self.config.capacity
+        batch_size = self.config.batch_size
+        if capacity * batch_size > THD_MAX_LENGTH:
+            raise EnergonConfigError(
+                f"capacity * batch_size = {capacity} * {batch_size} = {capacity * batch_size} "
+                f"positions: a micro-batch (pad_to_length=capacity * batch_size) holds at most "
+                f"2**31 - 1 = {THD_MAX_LENGTH} (cu_seqlens are int32)"
+            )
         multiple = self.batch_options.padding_multiple
         if capacity % multiple:
             below = capacity - capacity % multiple
@@ -365,6 +375,7 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
         lengths = np.fromiter(
             (self.pack_length(s) for s in samples), dtype=np.int64, count=len(samples)
         )
+        self._check_oversize_reached_packing(samples, lengths)
         media = None
         if self.config.media_capacity is not None:
             media = np.fromiter(
@@ -446,6 +457,7 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
         packed = self.build_pack(samples)
         self.stats.add("build_ns", time.perf_counter_ns() - start)
         keys = [s.__key__ for s in samples]
+        self._check_pack_length(packed, samples, keys)
         self.stats.add("packed", len(samples))
         self.stats.add("packs")
         return SftPack(
@@ -457,6 +469,43 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
             num_tokens=int(sum(s.num_tokens for s in samples)),
             capacity=self.config.capacity,
         )
+
+    def _check_oversize_reached_packing(
+        self, samples: Sequence[EncodedConversation], lengths: np.ndarray
+    ) -> None:
+        """Stop the job on a sample longer than ``capacity`` in the packing buffer: the
+        oversize check of `check_policy` was bypassed (an override that does not call
+        ``super().check_policy``), and the packer would fail the whole buffer, good samples
+        with it, every time such a sample comes. Fatal: no buffer would be safe."""
+        over = np.flatnonzero(lengths > self.config.capacity)
+        if not over.size:
+            return
+        i = int(over[0])
+        err = EnergonConfigError(
+            f"sample {samples[i].__key__!r} reached packing with pack_length "
+            f"{int(lengths[i])} > capacity {self.config.capacity}: check_policy must refuse "
+            f"such samples (an override must call super().check_policy)"
+        )
+        raise FatalSampleError(str(err)) from err
+
+    def _check_pack_length(
+        self, packed: Any, samples: Sequence[EncodedConversation], keys: list[str]
+    ) -> None:
+        """Stop the job on a pack longer than ``capacity``: `pack_length`, `plan_packs` and
+        `build_pack` disagree (a subclass), and ``micro_batch(pad_to_length=capacity *
+        batch_size)`` would fail on it. Fatal: every buffer would fail the same way."""
+        length = len(packed.input_ids)
+        capacity = self.config.capacity
+        if length <= capacity:
+            return
+        planned = sum(self.pack_length(s) for s in samples)
+        err = EnergonConfigError(
+            f"{type(self).__name__} built a pack of {length} positions from samples "
+            f"{keys} (planned: {planned}), over capacity {capacity}: pack_length must be the "
+            f"positions build_pack gives each sample (padding included), and plan_packs must "
+            f"keep each pack's pack_length total within the capacity"
+        )
+        raise FatalSampleError(str(err)) from err
 
     @stateless
     def batch(self, samples: list[Any]) -> SftBatch:
