@@ -17,7 +17,7 @@ from mmpack.energon import PackingEncoderConfig, PackingTaskEncoder
 from mmpack.energon.chat_template import TEMPLATE_MARKUP_ROLE
 from mmpack.energon.media import MediaHandle
 from mmpack.energon.samples import Conversation, Part, Turn
-from mmpack.errors import EnergonConfigError, SampleFormatError
+from mmpack.errors import ChatTemplateError, EnergonConfigError, SampleFormatError
 from mmpack_dev.qwen_vocab import qwen2_vl_tokenizer
 from mmpack_dev.synthetic import build_tokenizer, png_bytes
 
@@ -186,6 +186,14 @@ def test_a_fragment_is_never_matched_in_the_role_header(qwen_tokenizer: Any) -> 
     )
     got = flagged(enc, enc.encode_conversation(conv))
     assert got[-5:-2] == [("\n", 1), ("a", 0), ("ok", 1)]
+
+
+def test_text_that_leaves_no_marker_is_refused_naming_the_sample(qwen_tokenizer: Any) -> None:
+    every_private_use = "".join(chr(c) for c in range(0xE000, 0xF8FF))
+    enc = encoder(qwen_tokenizer, loss_mask_mode="precomputed")
+    conv = conversation(("user", (text(every_private_use),)), ("assistant", (text("ok"),)))
+    with pytest.raises(ChatTemplateError, match=r"'c0'.*private-use"):
+        enc.encode_conversation(conv)
 
 
 def image(key: str, size: tuple[int, int]) -> MediaHandle:

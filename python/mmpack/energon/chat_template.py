@@ -174,8 +174,14 @@ def _text_spans(
         return spans
     # two private-use characters that occur nowhere in the rendering (so in no text)
     code = next(
-        c for c in range(0xE000, 0xF8FF, 2) if chr(c) not in full and chr(c + 1) not in full
+        (c for c in range(0xE000, 0xF8FF, 2) if chr(c) not in full and chr(c + 1) not in full),
+        None,
     )
+    if code is None:
+        raise ChatTemplateError(
+            f"sample {key!r}: the text uses every private-use character, so its parts cannot "
+            "be marked to be located in the rendering"
+        )
     opener, closer = chr(code), chr(code + 1)
     index = {(m, p): i for i, (m, p, _) in enumerate(texts)}
     messages = hf_messages(
