@@ -7,7 +7,9 @@ special-token strings and media markers, empty and very long parts, several turn
 * In precomputed mode each fragment's flag covers the tokens of its text (offsets from the
   tokenizer itself, on a rendering the test builds by hand), and a token that straddles two
   fragments, or a fragment and the markup, is trained iff every character it covers is.
-* With the model's processor, a placeholder string in the text is refused naming the sample.
+* With the model's processor, a placeholder string in the text is refused naming the sample,
+  and with images the trained tokens are still the template's assistant mask (each image's
+  expansion standing for its one placeholder token).
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from mmpack.energon import PackingEncoderConfig, PackingTaskEncoder
 from mmpack.energon.media import MediaHandle
 from mmpack.energon.samples import Conversation, Part, Turn
 from mmpack.errors import SampleFormatError
+from mmpack_dev.qwen_vocab import QWEN2_VL_GENERATION_TEMPLATE, qwen2_vl_tokenizer
 from mmpack_dev.synthetic import png_bytes
 
 # small budgets: each example renders and tokenizes a few times with the real vocabulary
@@ -200,6 +203,95 @@ def with_images(qwen_processor: Any) -> PackingTaskEncoder:
 
 
 PNG = png_bytes(56, 84, seed=3)
+
+
+def image_part(i: int) -> Part:
+    return Part(
+        media=MediaHandle(
+            kind="image",
+            key=f"{i}.png",
+            sample_key="gen",
+            source=("test", f"{i}.png"),
+            data=PNG,
+            meta={},
+        )
+    )
+
+
+def without_placeholders(text: str) -> str:
+    while "<|image_pad|>" in text or "<|video_pad|>" in text:
+        text = text.replace("<|image_pad|>", "").replace("<|video_pad|>", "")
+    return text
+
+
+@pytest.fixture(scope="module")
+def generation_with_images(qwen_processor: Any) -> dict[Any, PackingTaskEncoder]:
+    from transformers import Qwen2VLProcessor
+
+    processor = Qwen2VLProcessor(
+        image_processor=qwen_processor.image_processor,
+        tokenizer=qwen2_vl_tokenizer(QWEN2_VL_GENERATION_TEMPLATE),
+        video_processor=qwen_processor.video_processor,
+    )
+    return {
+        mode: PackingTaskEncoder(
+            PackingEncoderConfig(modalities=["image"], loss_mask_mode=mode), processor=processor
+        )
+        for mode in (None, "precomputed")
+    }
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    turns=st.lists(
+        st.tuples(
+            TEXTS.map(without_placeholders), st.integers(0, 2), TEXTS.map(without_placeholders)
+        ),
+        min_size=1,
+        max_size=3,
+    )
+)
+def test_with_images_trained_tokens_are_still_the_templates_assistant_mask(
+    generation_with_images: dict[Any, PackingTaskEncoder], turns: list[tuple[str, int, str]]
+) -> None:
+    parts: list[Turn] = []
+    messages: list[dict[str, Any]] = []
+    for question, images, answer in turns:
+        media = [image_part(i) for i in range(images)]
+        parts += [
+            Turn("user", (Part(text=question), *media)),
+            Turn("assistant", (Part(text=answer),)),
+        ]
+        content = [{"type": "text", "text": question}] + [{"type": "image"}] * images
+        messages += [
+            {"role": "user", "content": content},
+            {"role": "assistant", "content": [{"type": "text", "text": answer}]},
+        ]
+    conv = Conversation(
+        __key__="gen",
+        __restore_key__=(),
+        __subflavors__=None,
+        __sources__=(),
+        source_format="test",
+        turns=parts,
+    )
+    tokenizer = generation_with_images[None].tokenizer
+    theirs = tokenizer.apply_chat_template(
+        messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
+    pad = tokenizer.convert_tokens_to_ids("<|image_pad|>")
+    for mode, enc in generation_with_images.items():
+        encoded = enc.encode_conversation(conv)
+        if mode is None:
+            mask = masks.from_roles(encoded.message_lengths, encoded.message_roles, ("assistant",))
+        else:
+            mask = np.asarray(encoded.loss_mask, dtype=np.bool_)
+        ids = encoded.token_ids.tolist()
+        # each image's run of placeholder tokens stands for the template's one
+        keep = [t == 0 or not (ids[t] == pad and ids[t - 1] == pad) for t in range(len(ids))]
+        assert [i for i, k in zip(ids, keep, strict=True) if k] == list(theirs["input_ids"])
+        kept = [int(m) for m, k in zip(mask.tolist(), keep, strict=True) if k]
+        assert kept == list(theirs["assistant_masks"]), mode
 
 
 @settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
