@@ -185,6 +185,9 @@ def test_one_prefix_renderer_serves_both_chat_template_paths(
     assert templates.has_generation_markers(GENERATION)
     assert not templates.has_generation_markers(PLAIN)
     assert templates.has_generation_markers("{%- generation -%}x{% endgeneration %}")
+    # Jinja's "+" (whitespace-control override) opens the same block
+    assert templates.has_generation_markers("{%+ generation +%}x{%+ endgeneration %}")
+    assert not templates.has_generation_markers("{% endgeneration %}")
 
 
 class _Rewrites:
