@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 from mmpack.energon import (
+    KNOWN_ROLES,
     RENAMED_FIELDS,
     RETIRED_FIELDS,
     PackingEncoderConfig,
@@ -150,6 +151,7 @@ def test_an_unknown_train_role_is_refused_by_name(roles: list[str], message: str
         "assistant",
         "tool",
     )
+    assert PackingEncoderConfig(train_roles=list(KNOWN_ROLES)).train_roles == KNOWN_ROLES
 
 
 def test_the_markup_refuses_a_role_it_has_no_marker_for(tokenizer: Any) -> None:
