@@ -81,3 +81,37 @@ def ray_session() -> Iterator[Any]:
             warnings.simplefilter("ignore", ResourceWarning)
             ray.shutdown()
             gc.collect()
+
+
+# Qwen2-VL's real tokenizer (Qwen2's byte-level BPE), built offline; the conversion runs once
+# per process. Shared by the chat-template suites: a test that changes its tokenizer (a
+# template, a padding side) makes its own with `mmpack_dev.qwen_vocab.qwen2_vl_tokenizer()`.
+@pytest.fixture(scope="session")
+def qwen_tokenizer() -> Any:
+    """Qwen2-VL's tokenizer with the model's released chat template (no generation markers)."""
+    from mmpack_dev.qwen_vocab import qwen2_vl_tokenizer
+
+    return qwen2_vl_tokenizer()
+
+
+@pytest.fixture(scope="session")
+def qwen_generation_tokenizer() -> Any:
+    """Qwen2-VL's tokenizer with the released template, assistant replies in
+    ``{% generation %}`` blocks."""
+    from mmpack_dev.qwen_vocab import QWEN2_VL_GENERATION_TEMPLATE, qwen2_vl_tokenizer
+
+    return qwen2_vl_tokenizer(QWEN2_VL_GENERATION_TEMPLATE)
+
+
+@pytest.fixture(scope="session")
+def qwen_processor(qwen_tokenizer: Any) -> Any:
+    """Qwen2-VL's processor (classes' defaults, a small max_pixels) over the real tokenizer."""
+    from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor
+    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+
+    size = {"shortest_edge": 56 * 56, "longest_edge": 112 * 112}
+    return Qwen2VLProcessor(
+        image_processor=Qwen2VLImageProcessor(size=size),
+        tokenizer=qwen_tokenizer,
+        video_processor=Qwen2VLVideoProcessor(size=size),
+    )

@@ -52,16 +52,28 @@ QWEN2_VL_CHAT_TEMPLATE = (
     "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
     "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-# The same template with the assistant's reply inside {% generation %} markers, so
-# `apply_chat_template(..., return_assistant_tokens_mask=True)` marks the trainable tokens
+# The same template with the assistant's reply inside {% generation %} markers (string and
+# list contents alike), so `apply_chat_template(..., return_assistant_tokens_mask=True)` marks
+# the trainable tokens
+_LIST_LOOP = QWEN2_VL_CHAT_TEMPLATE[
+    QWEN2_VL_CHAT_TEMPLATE.index(
+        "{% for content in message['content'] %}"
+    ) : QWEN2_VL_CHAT_TEMPLATE.index("{% endfor %}<|im_end|>") + len("{% endfor %}")
+]
 QWEN2_VL_GENERATION_TEMPLATE = QWEN2_VL_CHAT_TEMPLATE.replace(
     "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
-    "{{ message['content'] }}<|im_end|>\n{% else %}",
-    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
-    "{% if message['role'] == 'assistant' %}{% generation %}{{ message['content'] }}<|im_end|>"
-    "{% endgeneration %}{% else %}{{ message['content'] }}<|im_end|>{% endif %}{{ '\\n' }}"
-    "{% else %}",
+    "{{ message['content'] }}<|im_end|>\n{% else %}" + _LIST_LOOP + "<|im_end|>\n{% endif %}",
+    "<|im_start|>{{ message['role'] }}\n{% if message['role'] == 'assistant' %}{% generation %}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    + _LIST_LOOP
+    + "{% endif %}<|im_end|>{% endgeneration %}{% else %}"
+    "{% if message['content'] is string %}{{ message['content'] }}{% else %}"
+    + _LIST_LOOP
+    + "{% endif %}<|im_end|>{% endif %}{{ '\\n' }}",
 )
+if QWEN2_VL_GENERATION_TEMPLATE == QWEN2_VL_CHAT_TEMPLATE:
+    raise RuntimeError("the generation markers were not placed")
+
 # Qwen2-VL's text config pads the embedding to this many rows
 QWEN2_VL_VOCAB_SIZE = 151936
 

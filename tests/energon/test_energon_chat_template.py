@@ -1,7 +1,10 @@
-"""Conversations encoded with the tokenizer's own chat template: tokens as
+"""Conversations encoded with the tokenizer's own chat template, on Qwen2-VL's real tokenizer
+(Qwen2's byte-level BPE, the released special ids and chat template): tokens as
 ``apply_chat_template`` gives them, trainable spans from the template's generation markers or
-from the rendered message boundaries, in both mask modes, and the templates mmpack refuses
-(at construction, or naming the sample)."""
+from the rendered message boundaries, in both mask modes; per-fragment flags located in the
+text (never in a role header), one rule for a token that straddles two fragments, media
+placeholders written in the text refused, and the templates mmpack refuses (at construction, or
+naming the sample)."""
 
 from __future__ import annotations
 
@@ -14,44 +17,12 @@ from mmpack.energon import PackingEncoderConfig, PackingTaskEncoder
 from mmpack.energon.chat_template import TEMPLATE_MARKUP_ROLE
 from mmpack.energon.media import MediaHandle
 from mmpack.energon.samples import Conversation, Part, Turn
-from mmpack.errors import EnergonConfigError, SampleFormatError
-from mmpack_dev.synthetic import build_tokenizer
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+from mmpack.errors import ChatTemplateError, EnergonConfigError, SampleFormatError
+from mmpack_dev.qwen_vocab import qwen2_vl_tokenizer
+from mmpack_dev.synthetic import build_tokenizer, png_bytes
 
-WORDS = ["<unk>", "<pad>", "<s>", "</s>", "<user>", "<asst>", "<sys>", "<img>"]
-WORDS += "what is two plus four thanks yes be brief think first then answer".split()
-
-PLAIN = (
-    "{% for m in messages %}<{{ 'asst' if m['role'] == 'assistant' else m['role'][:4] }}> "
-    "{% if m['content'] is string %}{{ m['content'] }}{% else %}{% for c in m['content'] %}"
-    "{% if c['type'] == 'image' %}<img> {% else %}{{ c['text'] }}{% endif %}{% endfor %}"
-    "{% endif %} </s> {% endfor %}"
-)
-GENERATION = (
-    "{% for m in messages %}{% if m['role'] == 'assistant' %}<asst> {% generation %}"
-    "{{ m['content'] }} </s>{% endgeneration %} {% else %}<{{ m['role'][:4] }}> "
-    "{{ m['content'] }} </s> {% endif %}{% endfor %}"
-)
 NOT_PREFIX_STABLE = "{{ messages | length }} {% for m in messages %}{{ m['content'] }} {% endfor %}"
-UPPERCASE = "{% for m in messages %}<{{ m['role'][:4] }}> {{ m['content'] | upper }} {% endfor %}"
-
-
-def tokenizer_with(template: str | None) -> PreTrainedTokenizerFast:
-    vocab = {w: i for i, w in enumerate(WORDS)}
-    core = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    core.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tok = PreTrainedTokenizerFast(
-        tokenizer_object=core,
-        unk_token="<unk>",
-        pad_token="<pad>",
-        bos_token="<s>",
-        eos_token="</s>",
-        additional_special_tokens=["<user>", "<asst>", "<sys>", "<img>"],
-    )
-    if template is not None:
-        tok.chat_template = template
-    return tok
+UPPERCASE = "{% for m in messages %}<|im_start|>{{ m['content'] | upper }}<|im_end|>{% endfor %}"
 
 
 def conversation(*turns: tuple[str, tuple[Part, ...]], key: str = "c0") -> Conversation:
@@ -70,24 +41,24 @@ def text(value: str, trainable: bool | None = None) -> Part:
 
 
 DIALOGUE = conversation(
-    ("system", (text("be brief"),)),
-    ("user", (text("what is two plus two"),)),
-    ("assistant", (text("four"),)),
-    ("user", (text("thanks"),)),
-    ("assistant", (text("yes"),)),
+    ("system", (text("Be brief."),)),
+    ("user", (text("What is 2 + 2?"),)),
+    ("assistant", (text("4"),)),
+    ("user", (text("Thanks! 🙂"),)),
+    ("assistant", (text("You're welcome."),)),
 )
 MESSAGES = [
-    {"role": "system", "content": "be brief"},
-    {"role": "user", "content": "what is two plus two"},
-    {"role": "assistant", "content": "four"},
-    {"role": "user", "content": "thanks"},
-    {"role": "assistant", "content": "yes"},
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "What is 2 + 2?"},
+    {"role": "assistant", "content": "4"},
+    {"role": "user", "content": "Thanks! 🙂"},
+    {"role": "assistant", "content": "You're welcome."},
 ]
 
 
-def encoder(template: str | None, **config: Any) -> PackingTaskEncoder:
+def encoder(tokenizer: Any, **config: Any) -> PackingTaskEncoder:
     cfg = PackingEncoderConfig(modalities=[], **config)
-    return PackingTaskEncoder(cfg, tokenizer=tokenizer_with(template))
+    return PackingTaskEncoder(cfg, tokenizer=tokenizer)
 
 
 def mask_of(enc: PackingTaskEncoder, encoded: Any) -> np.ndarray:
@@ -97,13 +68,31 @@ def mask_of(enc: PackingTaskEncoder, encoded: Any) -> np.ndarray:
     return masks.from_roles(encoded.message_lengths, encoded.message_roles, enc.config.train_roles)
 
 
+def trained_text(enc: PackingTaskEncoder, encoded: Any) -> str:
+    ids = encoded.token_ids.tolist()
+    return str(
+        enc.tokenizer.decode([t for t, m in zip(ids, mask_of(enc, encoded), strict=True) if m])
+    )
+
+
+def flagged(enc: PackingTaskEncoder, encoded: Any) -> list[tuple[str, int]]:
+    """Each token's text and its loss-mask flag."""
+    ids = encoded.token_ids.tolist()
+    return [
+        (enc.tokenizer.decode([t]), int(m))
+        for t, m in zip(ids, mask_of(enc, encoded).tolist(), strict=True)
+    ]
+
+
 @pytest.mark.parametrize("mode", [None, "precomputed"])
-@pytest.mark.parametrize("template", [PLAIN, GENERATION], ids=["boundaries", "generation"])
-def test_tokens_and_mask_are_the_templates_own(template: str, mode: str | None) -> None:
-    enc = encoder(template, loss_mask_mode=mode)
+@pytest.mark.parametrize("generation", [False, True], ids=["boundaries", "generation"])
+def test_tokens_and_mask_are_the_templates_own(
+    qwen_tokenizer: Any, qwen_generation_tokenizer: Any, generation: bool, mode: str | None
+) -> None:
+    tokenizer = qwen_generation_tokenizer if generation else qwen_tokenizer
+    enc = encoder(tokenizer, loss_mask_mode=mode)
     assert enc.conversation_format == "chat_template"
     encoded = enc.encode_conversation(DIALOGUE)
-    tokenizer = enc.tokenizer
     # the tokens apply_chat_template gives, and the mask masks.from_chat_template derives (the
     # template's assistant mask, or per-message boundaries)
     ids, expected = masks.from_chat_template(tokenizer, MESSAGES)
@@ -112,71 +101,173 @@ def test_tokens_and_mask_are_the_templates_own(template: str, mode: str | None) 
         encoded.token_ids.tolist()
         == tokenizer.apply_chat_template(MESSAGES, tokenize=True)["input_ids"]
     )
-    got = mask_of(enc, encoded)
-    assert got.tolist() == expected.tolist()
-    trained = [WORDS[t] for t, m in zip(ids.tolist(), got.tolist(), strict=True) if m]
-    if template is GENERATION:
-        assert trained == ["four", "</s>", "yes", "</s>"]  # not the <asst> header
+    assert mask_of(enc, encoded).tolist() == expected.tolist()
+    if generation:
+        # the replies and their end markers, not the <|im_start|>assistant headers
+        assert trained_text(enc, encoded) == "4<|im_end|>You're welcome.<|im_end|>"
         if mode is None:
             assert TEMPLATE_MARKUP_ROLE in encoded.message_roles
     else:
-        assert trained == ["<asst>", "four", "</s>", "<asst>", "yes", "</s>"]
+        assert trained_text(enc, encoded) == (
+            "<|im_start|>assistant\n4<|im_end|>\n<|im_start|>assistant\nYou're welcome.<|im_end|>\n"
+        )
 
 
-@pytest.mark.parametrize("template", [PLAIN, GENERATION], ids=["boundaries", "generation"])
-def test_both_mask_modes_give_the_same_labels(template: str) -> None:
+@pytest.mark.parametrize("generation", [False, True], ids=["boundaries", "generation"])
+def test_both_mask_modes_give_the_same_labels(
+    qwen_tokenizer: Any, qwen_generation_tokenizer: Any, generation: bool
+) -> None:
+    tokenizer = qwen_generation_tokenizer if generation else qwen_tokenizer
     packs = []
     for mode in (None, "precomputed"):
-        enc = encoder(template, loss_mask_mode=mode)
+        enc = encoder(tokenizer, loss_mask_mode=mode)
         encoded = enc.encode_conversation(DIALOGUE)
         packs.append(pack_samples([enc.to_encoded_sample(encoded)], **enc.pack_options()))
     assert packs[0].labels.tolist() == packs[1].labels.tolist()
-    assert int((packs[0].labels != -100).sum()) >= 2
+    assert int((packs[0].labels != -100).sum()) >= 4
 
 
-def test_fragment_flags_decide_their_own_tokens_in_precomputed_mode() -> None:
-    enc = encoder(PLAIN, loss_mask_mode="precomputed")
+def test_fragment_flags_decide_their_own_tokens_in_precomputed_mode(qwen_tokenizer: Any) -> None:
+    enc = encoder(qwen_tokenizer, loss_mask_mode="precomputed")
     conv = conversation(
-        ("user", (text("what is two", False),)),
-        ("assistant", (text("think first ", False), text("then answer four", True))),
+        ("user", (text("What is 2 + 2?", False),)),
+        ("assistant", (text("Let me think.", False), text(" It is 4.", True))),
     )
     encoded = enc.encode_conversation(conv)
-    words = [WORDS[t] for t in encoded.token_ids.tolist()]
-    trained = [w for w, m in zip(words, encoded.loss_mask.tolist(), strict=True) if m]
     # the reasoning prefix is not trained; the markup follows the message (trainable)
-    assert trained == ["<asst>", "then", "answer", "four", "</s>"]
+    assert trained_text(enc, encoded) == "<|im_start|>assistant\n It is 4.<|im_end|>\n"
     with pytest.raises(SampleFormatError, match="differ from its roles"):
-        encoder(PLAIN).encode_conversation(conv)
+        encoder(qwen_tokenizer).encode_conversation(conv)
 
 
-def test_media_placeholders_expand_to_their_token_count() -> None:
-    tok = tokenizer_with(PLAIN.replace("<img>", "<image>"))
-    tok.add_special_tokens({"additional_special_tokens": ["<image>"]})
-    cfg = PackingEncoderConfig(modalities=["image"])
-    enc = PackingTaskEncoder(cfg, tokenizer=tok, processor={"patch_size": 16})
-    image = MediaHandle(
+def test_a_token_straddling_two_fragments_is_trained_only_when_both_are(
+    qwen_tokenizer: Any,
+) -> None:
+    """The fragments are rendered back to back, so one BPE token can hold the end of one and
+    the start of the next (``" secretly"``: the space ends a trainable fragment). Such a token
+    is trained iff every character it covers is: text marked not trainable never reaches the
+    loss."""
+    enc = encoder(qwen_tokenizer, loss_mask_mode="precomputed")
+    conv = conversation(
+        ("user", (text("hi"),)),
+        ("assistant", (text("I say ", True), text("secret", False), text("ly yes", True))),
+    )
+    got = flagged(enc, enc.encode_conversation(conv))
+    reply = got[got.index(("assistant", 1)) + 2 : -2]
+    # " secretly" holds the space of the first fragment and the start of the third
+    assert reply == [("I", 1), (" say", 1), (" secretly", 0), (" yes", 1)]
+    # a header newline merged into a fragment's leading newline straddles markup and text
+    conv = conversation(("user", (text("hi"),)), ("assistant", (text("\nyes", False),)))
+    got = flagged(enc, enc.encode_conversation(conv))
+    assert got[-5:] == [("assistant", 0), ("\n\n", 0), ("yes", 0), ("<|im_end|>", 0), ("\n", 0)]
+
+
+def test_a_fragment_is_never_matched_in_the_role_header(qwen_tokenizer: Any) -> None:
+    """A fragment whose text also occurs in the template's markup (``"assistant\\n"`` in
+    ``<|im_start|>assistant\\n``, ``"a"``, a newline) is located where the template put the
+    text, not at the first match in the message's rendering."""
+    enc = encoder(qwen_tokenizer, loss_mask_mode="precomputed")
+    conv = conversation(
+        ("user", (text("hi"),)),
+        ("assistant", (text("assistant\n", False), text("ok", True))),
+    )
+    got = flagged(enc, enc.encode_conversation(conv))
+    assert got[-8:-1] == [
+        ("<|im_start|>", 1),
+        ("assistant", 1),
+        ("\n", 1),
+        ("assistant", 0),
+        ("\n", 0),
+        ("ok", 1),
+        ("<|im_end|>", 1),
+    ]
+    conv = conversation(
+        ("user", (text("hi"),)), ("assistant", (text("a", False), text("ok", True)))
+    )
+    got = flagged(enc, enc.encode_conversation(conv))
+    assert got[-5:-2] == [("\n", 1), ("a", 0), ("ok", 1)]
+
+
+def test_text_that_leaves_no_marker_is_refused_naming_the_sample(qwen_tokenizer: Any) -> None:
+    every_private_use = "".join(chr(c) for c in range(0xE000, 0xF8FF))
+    enc = encoder(qwen_tokenizer, loss_mask_mode="precomputed")
+    conv = conversation(("user", (text(every_private_use),)), ("assistant", (text("ok"),)))
+    with pytest.raises(ChatTemplateError, match=r"'c0'.*private-use"):
+        enc.encode_conversation(conv)
+
+
+def image(key: str, size: tuple[int, int]) -> MediaHandle:
+    return MediaHandle(
         kind="image",
-        key="a.png",
+        key=key,
         sample_key="c0",
-        source=("test", "a.png"),
-        data=b"",
-        meta={"width": 64, "height": 32},
+        source=("test", key),
+        data=png_bytes(*size, seed=1),
+        meta={},
+    )
+
+
+@pytest.fixture(scope="module")
+def qwen_images(qwen_processor: Any) -> PackingTaskEncoder:
+    return PackingTaskEncoder(PackingEncoderConfig(modalities=["image"]), processor=qwen_processor)
+
+
+@pytest.mark.parametrize("mode", [None, "precomputed"])
+def test_media_placeholders_expand_to_the_processors_count(
+    qwen_processor: Any, mode: str | None
+) -> None:
+    enc = PackingTaskEncoder(
+        PackingEncoderConfig(modalities=["image"], loss_mask_mode=mode), processor=qwen_processor
     )
     conv = conversation(
-        ("user", (Part(media=image), text("what is two"))),
-        ("assistant", (text("four"),)),
+        ("user", (Part(media=image("a.png", (84, 56))), text("What is <image> here?"))),
+        ("assistant", (text("A cat."),)),
     )
     encoded = enc.encode_conversation(conv)
-    image_id = tok.convert_tokens_to_ids("<image>")
-    assert encoded.media_tokens == [8] and encoded.media_units == 8
-    assert int((encoded.token_ids == image_id).sum()) == 8
+    pad = qwen_processor.image_token_id
+    assert encoded.media_tokens == [6] and encoded.media_units == 6
+    assert int((encoded.token_ids == pad).sum()) == 6
     assert sum(encoded.message_lengths.tolist()) == encoded.num_tokens
-    # a placeholder written in the text has no media item to fill it
-    sneaky = conversation(
-        ("user", (text("what is <image> two"),)),
-        ("assistant", (text("four"),)),
+    # "<image>" is no token of Qwen2-VL: it stays text, as the model's processor keeps it
+    decoded = qwen_processor.tokenizer.decode(encoded.token_ids.tolist())
+    assert "<|vision_start|>" + "<|image_pad|>" * 6 + "<|vision_end|>What is <image> here?" in (
+        decoded
     )
-    with pytest.raises(SampleFormatError, match="placeholder token"):
+    assert trained_text(enc, encoded) == "<|im_start|>assistant\nA cat.<|im_end|>\n"
+
+
+@pytest.mark.parametrize(
+    "written",
+    ["look: <|image_pad|>", "<|video_pad|> is unconfigured", "two <|image_pad|><|image_pad|>"],
+)
+def test_a_placeholder_written_in_the_text_is_refused_naming_the_sample(
+    qwen_images: PackingTaskEncoder, qwen_processor: Any, written: str
+) -> None:
+    """The model's processor reads its placeholder tokens wherever they are (Qwen2-VL's
+    refuses such a prompt: more ``<|image_pad|>`` than images), so a message text holding one,
+    of any kind the processor handles, is refused by name instead of becoming media with no
+    pixels."""
+    with pytest.raises(ValueError, match="tokens in the text"):
+        qwen_processor(text=["look: <|image_pad|>"])
+    with_image = conversation(
+        ("user", (Part(media=image("a.png", (56, 56))), text(written))),
+        ("assistant", (text("ok"),)),
+        key="sneaky",
+    )
+    with pytest.raises(SampleFormatError, match=r"'sneaky'.*holds the media placeholder"):
+        qwen_images.encode_conversation(with_image)
+    text_only = conversation(("user", (text(written),)), ("assistant", (text("ok"),)), key="t")
+    with pytest.raises(SampleFormatError, match=r"'t'.*<\|(image|video)_pad\|>"):
+        qwen_images.encode_conversation(text_only)
+
+
+def test_a_media_token_in_the_markup_text_is_refused() -> None:
+    enc = PackingTaskEncoder(
+        PackingEncoderConfig(), tokenizer=build_tokenizer(), processor={"patch_size": 16}
+    )
+    assert enc.conversation_format == "markup"
+    sneaky = conversation(("user", (text("what is <image> this"),)), ("assistant", (text("x"),)))
+    with pytest.raises(SampleFormatError, match=r"'c0'.*holds the media token '<image>'"):
         enc.encode_conversation(sneaky)
 
 
@@ -191,7 +282,22 @@ def test_templates_that_cannot_be_mapped_back_are_refused_at_construction(
     template: str, message: str
 ) -> None:
     with pytest.raises(EnergonConfigError, match=message):
-        encoder(template, loss_mask_mode="precomputed")
+        encoder(qwen2_vl_tokenizer(template), loss_mask_mode="precomputed")
+
+
+def test_a_trimming_template_maps_its_parts_back(qwen_tokenizer: Any) -> None:
+    # a template that trims each message's content (as Llama 3's does)
+    trims = qwen_tokenizer.chat_template.replace(
+        "{{ message['content'] }}<|im_end|>", "{{ message['content'] | trim }}<|im_end|>"
+    )
+    enc = encoder(qwen2_vl_tokenizer(trims), loss_mask_mode="precomputed")
+    conv = conversation(
+        ("user", (text("  hi  "),)),
+        ("assistant", (text("  think", False), text(" then 4  ", True))),
+    )
+    assert trained_text(enc, enc.encode_conversation(conv)) == (
+        "<|im_start|>assistant\n then 4<|im_end|>\n"
+    )
 
 
 def test_the_markup_is_only_for_tokenizers_built_for_it() -> None:
@@ -202,7 +308,7 @@ def test_the_markup_is_only_for_tokenizers_built_for_it() -> None:
     assert synthetic.conversation_format == "markup"
     # a tokenizer with neither is refused, naming both ways out
     with pytest.raises(EnergonConfigError, match="no chat template") as info:
-        encoder(None)
+        encoder(qwen2_vl_tokenizer(chat_template=None))  # type: ignore[arg-type]
     assert "conversation_format: markup" in str(info.value)
     with pytest.raises(EnergonConfigError, match="has no chat template"):
         PackingTaskEncoder(
@@ -212,7 +318,7 @@ def test_the_markup_is_only_for_tokenizers_built_for_it() -> None:
         )
     # a template wins over the markup unless the markup is chosen explicitly
     tok = build_tokenizer()
-    tok.chat_template = PLAIN
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}<|end|>{% endfor %}"
     cfg = PackingEncoderConfig(conversation_format="markup")
     chosen = PackingTaskEncoder(cfg, tokenizer=tok, processor={"patch_size": 16})
     assert chosen.conversation_format == "markup"

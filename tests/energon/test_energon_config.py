@@ -8,6 +8,7 @@ from typing import Any
 import numpy as np
 import pytest
 from mmpack.energon import (
+    KNOWN_ROLES,
     RENAMED_FIELDS,
     RETIRED_FIELDS,
     PackingEncoderConfig,
@@ -129,6 +130,52 @@ def test_invalid_values_are_typed_errors(changes: dict[str, Any], message: str) 
         PackingEncoderConfig().replace(**changes)
     assert isinstance(info.value, MmpackError)
     assert isinstance(info.value, ValueError)
+
+
+@pytest.mark.parametrize(
+    ("roles", "message"),
+    [
+        (["asistant"], r"unknown role 'asistant' \(did you mean 'assistant'\?\)"),
+        (["Assistant"], "unknown role 'Assistant'.*case-sensitive"),
+        (["assistant", "gpt"], "unknown role 'gpt'"),
+        (["<template-markup>"], "unknown role '<template-markup>'"),
+    ],
+)
+def test_an_unknown_train_role_is_refused_by_name(roles: list[str], message: str) -> None:
+    # a typo would otherwise train on nothing: every sample skipped as having no trainable token
+    with pytest.raises(EnergonConfigError, match=message):
+        PackingEncoderConfig(train_roles=roles)
+    with pytest.raises(EnergonConfigError, match=r"my\.yaml: train_roles: unknown role"):
+        PackingEncoderConfig.from_dict({"train_roles": roles}, source="my.yaml")
+    assert PackingEncoderConfig(train_roles=["assistant", "tool"]).train_roles == (
+        "assistant",
+        "tool",
+    )
+    assert PackingEncoderConfig(train_roles=list(KNOWN_ROLES)).train_roles == KNOWN_ROLES
+
+
+def test_the_markup_refuses_a_role_it_has_no_marker_for(tokenizer: Any) -> None:
+    cfg = PackingEncoderConfig(train_roles=["assistant", "tool"], conversation_format="markup")
+    with pytest.raises(EnergonConfigError, match=r"train_roles \['tool'\]: mmpack's markup"):
+        PackingTaskEncoder(cfg, tokenizer=tokenizer, processor={"patch_size": 16})
+
+
+@pytest.mark.parametrize(
+    ("processor", "bad"),
+    [
+        ({"patch_size": 16, "patch_sz": 8}, r"'patch_sz' \(did you mean 'patch_size'\?\)"),
+        ({"patch_size": 16, "sampling_rat": 16000}, "'sampling_rat'"),
+        ({"image_processor": {"patch_size": 16, "merge": 2}}, r"processor\['image_processor'\]"),
+    ],
+)
+def test_an_unknown_processor_setting_is_refused_by_name(
+    tokenizer: Any, processor: dict[str, Any], bad: str
+) -> None:
+    # a misspelt setting would leave the default in force without a word
+    with pytest.raises(ModalityConfigError, match=rf"unknown setting.*{bad}|{bad}.*unknown"):
+        PackingTaskEncoder(PackingEncoderConfig(), tokenizer=tokenizer, processor=processor)
+    with pytest.raises(ModalityConfigError, match="unknown setting"):
+        resolve_media_settings(processor, ["image"])
 
 
 def test_from_yaml_names_the_file(tmp_path: Path) -> None:

@@ -15,49 +15,40 @@ from mmpack.energon import EncodedConversation, PackingEncoderConfig, PackingTas
 from mmpack.energon.chat_template import ChatTemplateEncoder
 from mmpack.energon.markup import MarkupEncoder
 from mmpack.errors import ChatTemplateError, LossMaskError, SampleFormatError
+from mmpack_dev.qwen_vocab import QWEN2_VL_CHAT_TEMPLATE as PLAIN
+from mmpack_dev.qwen_vocab import QWEN2_VL_GENERATION_TEMPLATE as GENERATION
+from mmpack_dev.qwen_vocab import qwen2_vl_tokenizer
 from mmpack_dev.synthetic import build_tokenizer
-from test_energon_chat_template import (
-    DIALOGUE,
-    GENERATION,
-    MESSAGES,
-    PLAIN,
-    WORDS,
-    encoder,
-    mask_of,
-)
+from test_energon_chat_template import DIALOGUE, MESSAGES, encoder, mask_of, trained_text
 
 MODES = [None, "precomputed"]
-
-
-def trained_words(enc: PackingTaskEncoder, encoded: Any) -> list[str]:
-    ids = encoded.token_ids.tolist()
-    return [WORDS[t] for t, m in zip(ids, mask_of(enc, encoded).tolist(), strict=True) if m]
+REPLIES = "4<|im_end|>You're welcome.<|im_end|>"
+WHOLE_REPLIES = (
+    "<|im_start|>assistant\n4<|im_end|>\n<|im_start|>assistant\nYou're welcome.<|im_end|>\n"
+)
 
 
 @pytest.mark.parametrize("mode", MODES)
-def test_the_chat_template_strategy_is_fixed_at_construction(mode: str | None) -> None:
-    enc = encoder(PLAIN, loss_mask_mode=mode)
+def test_the_chat_template_strategy_is_fixed_at_construction(
+    mode: str | None, qwen_generation_tokenizer: Any
+) -> None:
+    enc = encoder(qwen2_vl_tokenizer(PLAIN), loss_mask_mode=mode)
     assert isinstance(enc.conversation_encoder, ChatTemplateEncoder)
     assert not enc.conversation_encoder.uses_generation_blocks
     before = enc.encode_conversation(DIALOGUE)
-    assert trained_words(enc, before) == ["<asst>", "four", "</s>", "<asst>", "yes", "</s>"]
+    assert trained_text(enc, before) == WHOLE_REPLIES
     # a template swapped in later would render with the new template and mask by the old
     # one's rule (GENERATION renders the same text but marks generation blocks): refused, by
-    # sample, instead of training the <asst> headers by the old rule
+    # sample, instead of training the assistant headers by the old rule
     enc.tokenizer.chat_template = GENERATION
     with pytest.raises(ChatTemplateError, match=r"'c0'.*chat template changed after"):
         enc.encode_conversation(DIALOGUE)
     enc.tokenizer.chat_template = PLAIN
     assert enc.encode_conversation(DIALOGUE).token_ids.tolist() == before.token_ids.tolist()
     # built with the generation template from the start, the headers are not trained
-    fresh = encoder(GENERATION, loss_mask_mode=mode)
+    fresh = encoder(qwen_generation_tokenizer, loss_mask_mode=mode)
     assert fresh.conversation_encoder.uses_generation_blocks
-    assert trained_words(fresh, fresh.encode_conversation(DIALOGUE)) == [
-        "four",
-        "</s>",
-        "yes",
-        "</s>",
-    ]
+    assert trained_text(fresh, fresh.encode_conversation(DIALOGUE)) == REPLIES
 
 
 def test_the_markup_strategy_is_fixed_at_construction() -> None:
@@ -67,7 +58,7 @@ def test_the_markup_strategy_is_fixed_at_construction() -> None:
     assert isinstance(enc.conversation_encoder, MarkupEncoder)
     before = enc.encode_conversation(DIALOGUE)
     # a template appearing later does not switch the encoder ("auto" chose the markup)
-    tok.chat_template = PLAIN
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }}<|end|>{% endfor %}"
     assert enc.conversation_format == "markup"
     after = enc.encode_conversation(DIALOGUE)
     assert after.token_ids.tolist() == before.token_ids.tolist()
@@ -79,27 +70,28 @@ def test_the_markup_strategy_is_fixed_at_construction() -> None:
 
 
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("template", [PLAIN, GENERATION, None], ids=["plain", "gen", "markup"])
+@pytest.mark.parametrize("template", ["plain", "gen", "markup"])
 def test_the_encoding_carries_its_trainable_token_count(
-    template: str | None, mode: str | None
+    template: str, mode: str | None, qwen_tokenizer: Any, qwen_generation_tokenizer: Any
 ) -> None:
-    if template is None:
+    if template == "markup":
         enc = PackingTaskEncoder(
             PackingEncoderConfig(loss_mask_mode=mode),
             tokenizer=build_tokenizer(),
             processor={"patch_size": 16},
         )
     else:
-        enc = encoder(template, loss_mask_mode=mode)
+        tok = qwen_generation_tokenizer if template == "gen" else qwen_tokenizer
+        enc = encoder(tok, loss_mask_mode=mode)
     encoded = enc.encode_conversation(DIALOGUE)
     assert encoded.trainable_tokens == int(mask_of(enc, encoded).sum()) > 0
 
 
 @pytest.mark.parametrize("mode", MODES)
 def test_the_policy_reads_the_count_and_never_rebuilds_a_mask(
-    mode: str | None, monkeypatch: pytest.MonkeyPatch
+    mode: str | None, monkeypatch: pytest.MonkeyPatch, qwen_tokenizer: Any
 ) -> None:
-    enc = encoder(PLAIN, loss_mask_mode=mode)
+    enc = encoder(qwen_tokenizer, loss_mask_mode=mode)
     encoded = enc.encode_conversation(DIALOGUE)
 
     def no_mask_work(*args: Any, **kwargs: Any) -> Any:
@@ -115,8 +107,10 @@ def test_the_policy_reads_the_count_and_never_rebuilds_a_mask(
     assert enc.stats.snapshot()["skipped"]["empty_trainable_mask"] == 1
 
 
-def test_an_encoding_not_made_by_a_conversation_encoder_is_refused_by_name() -> None:
-    enc = encoder(PLAIN, loss_mask_mode="precomputed")
+def test_an_encoding_not_made_by_a_conversation_encoder_is_refused_by_name(
+    qwen_tokenizer: Any,
+) -> None:
+    enc = encoder(qwen_tokenizer, loss_mask_mode="precomputed")
     made = enc.encode_conversation(DIALOGUE)
     uncounted = EncodedConversation.derive_from(
         made,
@@ -145,7 +139,7 @@ def test_an_encoding_not_made_by_a_conversation_encoder_is_refused_by_name() -> 
 
 
 def test_an_overriding_encode_conversation_is_validated_and_counted_again(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, qwen_tokenizer: Any
 ) -> None:
     class HalfTrained(PackingTaskEncoder):
         def encode_conversation(self, conversation: Any) -> EncodedConversation:
@@ -155,22 +149,23 @@ def test_an_overriding_encode_conversation_is_validated_and_counted_again(
 
     enc = HalfTrained(
         PackingEncoderConfig(modalities=[], loss_mask_mode="precomputed"),
-        tokenizer=encoder(PLAIN).tokenizer,
+        tokenizer=qwen_tokenizer,
     )
     with pytest.raises(SkipSample, match="empty_trainable_mask"):
         enc.preencode_sample(DIALOGUE)
     # the default encoder is not validated twice: its count is the one it made
-    plain = encoder(PLAIN, loss_mask_mode="precomputed")
+    plain = encoder(qwen_tokenizer, loss_mask_mode="precomputed")
 
     def twice(*args: Any, **kwargs: Any) -> Any:
         raise AssertionError("validated twice")
 
     monkeypatch.setattr(EncodedConversation, "revalidated", twice)
-    assert plain.preencode_sample(DIALOGUE).trainable_tokens == 6
+    whole = len(qwen_tokenizer(WHOLE_REPLIES, add_special_tokens=False).input_ids)
+    assert plain.preencode_sample(DIALOGUE).trainable_tokens == whole == 15
 
 
 def test_one_prefix_renderer_serves_both_chat_template_paths(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, qwen_tokenizer: Any
 ) -> None:
     calls: list[int] = []
     real = templates.render_prefixes
@@ -180,7 +175,7 @@ def test_one_prefix_renderer_serves_both_chat_template_paths(
         return real(tokenizer, messages, **kwargs)
 
     monkeypatch.setattr(templates, "render_prefixes", counting)
-    enc = encoder(PLAIN)
+    enc = encoder(qwen_tokenizer)
     calls.clear()  # the startup probe renders too
     encoded = enc.encode_conversation(DIALOGUE)
     ids, _ = masks.from_chat_template(enc.tokenizer, MESSAGES)
@@ -190,6 +185,9 @@ def test_one_prefix_renderer_serves_both_chat_template_paths(
     assert templates.has_generation_markers(GENERATION)
     assert not templates.has_generation_markers(PLAIN)
     assert templates.has_generation_markers("{%- generation -%}x{% endgeneration %}")
+    # Jinja's "+" (whitespace-control override) opens the same block
+    assert templates.has_generation_markers("{%+ generation +%}x{%+ endgeneration %}")
+    assert not templates.has_generation_markers("{% endgeneration %}")
 
 
 class _Rewrites:
@@ -204,14 +202,14 @@ class _Rewrites:
         return encoded
 
 
-def _with_encoder(mode: str | None, edit: Any) -> PackingTaskEncoder:
-    enc = encoder(PLAIN, loss_mask_mode=mode)
+def _with_encoder(tokenizer: Any, mode: str | None, edit: Any) -> PackingTaskEncoder:
+    enc = encoder(tokenizer, loss_mask_mode=mode)
     # swapped after construction: the route must still validate what this encoder returns
     enc.conversation_encoder = _Rewrites(enc.conversation_encoder, edit)
     return enc
 
 
-def test_a_swapped_in_conversation_encoder_is_validated_and_counted() -> None:
+def test_a_swapped_in_conversation_encoder_is_validated_and_counted(qwen_tokenizer: Any) -> None:
     """Any encoder but the built-in ones is checked per sample: an emptied mask is skipped
     (never packed with nothing to train on), and a mask value of 2 fails its own sample with
     a ``LossMaskError`` naming it, not the whole pack it would have been selected into."""
@@ -223,20 +221,22 @@ def test_a_swapped_in_conversation_encoder_is_validated_and_counted() -> None:
         encoded.loss_mask[-1] = 2
 
     with pytest.raises(SkipSample, match="empty_trainable_mask"):
-        _with_encoder("precomputed", empty).preencode_sample(DIALOGUE)
+        _with_encoder(qwen_tokenizer, "precomputed", empty).preencode_sample(DIALOGUE)
     with pytest.raises(LossMaskError, match="'c0'"):
-        _with_encoder("precomputed", two).preencode_sample(DIALOGUE)
+        _with_encoder(qwen_tokenizer, "precomputed", two).preencode_sample(DIALOGUE)
 
 
-def test_in_roles_mode_the_count_follows_the_roles_the_batch_is_built_from() -> None:
+def test_in_roles_mode_the_count_follows_the_roles_the_batch_is_built_from(
+    qwen_tokenizer: Any,
+) -> None:
     """In roles mode the batch builder ignores a ``loss_mask``: so does the count. An encoder
     that attaches an all-zero mask is neither skipped for it nor trained by it."""
-    made = encoder(PLAIN, loss_mask_mode=None).preencode_sample(DIALOGUE)
+    made = encoder(qwen_tokenizer, loss_mask_mode=None).preencode_sample(DIALOGUE)
 
     def zero_mask(encoded: Any) -> None:
         encoded.loss_mask = encoded.token_ids * 0
 
-    got = _with_encoder(None, zero_mask).preencode_sample(DIALOGUE)
+    got = _with_encoder(qwen_tokenizer, None, zero_mask).preencode_sample(DIALOGUE)
     assert got.trainable_tokens == made.trainable_tokens > 0
 
     class AttachesMask(PackingTaskEncoder):
@@ -246,14 +246,16 @@ def test_in_roles_mode_the_count_follows_the_roles_the_batch_is_built_from() -> 
             return encoded
 
     overriding = AttachesMask(
-        PackingEncoderConfig(modalities=[], loss_mask_mode=None), tokenizer=encoder(PLAIN).tokenizer
+        PackingEncoderConfig(modalities=[], loss_mask_mode=None), tokenizer=qwen_tokenizer
     )
     assert overriding.preencode_sample(DIALOGUE).trainable_tokens == made.trainable_tokens
 
 
 @pytest.mark.parametrize("option", ["pad_to_multiple_of", "cp_size"])
-def test_padding_past_int32_is_a_config_error_at_construction(option: str) -> None:
+def test_padding_past_int32_is_a_config_error_at_construction(
+    option: str, qwen_tokenizer: Any
+) -> None:
     from mmpack.errors import EnergonConfigError
 
     with pytest.raises(EnergonConfigError, match="batch options rejected"):
-        encoder(PLAIN, **{option: 2**40})
+        encoder(qwen_tokenizer, **{option: 2**40})

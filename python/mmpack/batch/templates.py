@@ -13,8 +13,9 @@ from mmpack.errors import ChatTemplateError
 
 __all__ = ["GENERATION_TAG", "has_generation_markers", "render_prefixes", "template_text"]
 
-#: ``{% generation %}`` (with optional whitespace control) in a Jinja chat template
-GENERATION_TAG = re.compile(r"\{%-?\s*generation\s*-?%\}")
+#: ``{% generation %}`` in a Jinja chat template, with Jinja's optional whitespace control
+#: (``-``) or its override (``+``) on either side, as Jinja itself parses the tag
+GENERATION_TAG = re.compile(r"\{%[-+]?\s*generation\s*[-+]?%\}")
 
 
 def template_text(tokenizer: Any) -> str | None:

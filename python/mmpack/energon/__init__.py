@@ -32,7 +32,12 @@ except ImportError as err:  # pragma: no cover - exercised only without the extr
         "pip install 'mmpack[energon]'"
     ) from err
 
-from mmpack.energon.config import RENAMED_FIELDS, RETIRED_FIELDS, PackingEncoderConfig
+from mmpack.energon.config import (
+    KNOWN_ROLES,
+    RENAMED_FIELDS,
+    RETIRED_FIELDS,
+    PackingEncoderConfig,
+)
 from mmpack.energon.cookers import cook_fragments, cook_generic, default_cookers
 from mmpack.energon.loader import (
     loader_state_workers,
@@ -47,6 +52,7 @@ from mmpack.energon.task_encoder import PackingTaskEncoder
 from mmpack.energon.validation import check_optional_dependencies, resolve_media_settings
 
 __all__ = [
+    "KNOWN_ROLES",
     "MEDIA_KEYS",
     "MEDIA_LOG",
     "RENAMED_FIELDS",

@@ -20,8 +20,21 @@ Trainable spans, checked against the rendering:
   inside a generation block trains only those (``return_assistant_tokens_mask``); its header
   and end marker outside the block are never trained.
 * In ``"precomputed"`` mode a text part's ``trainable`` flag (fragments format) decides its
-  own tokens, located in the rendering (a template that does not render a part's text verbatim
-  raises `ChatTemplateError`); markup tokens follow the message as in the default markup.
+  own tokens. Each part is located by rendering the conversation once more with every text
+  replaced by a unique sentinel (so a text is never matched inside a role header or a system
+  prompt); a template that does not render a part's text verbatim (or trimmed at the ends)
+  raises `ChatTemplateError`. Every character of the rendering gets a flag: a text part's
+  characters its own, the other characters of a message (header, end marker, the template's
+  own text) the message's marker flag (trainable if any of its parts is, else by role), a media
+  placeholder by role unless the message flags its parts. **A token is trainable iff every
+  character it covers (its offsets) is**: a byte-level BPE token that straddles two parts, or a
+  part and the markup, is trained only when both sides are, so text marked not trainable never
+  reaches the loss (the price: such a boundary token of a trainable part is not trained either).
+* Media placeholder tokens in the rendering must be exactly the template's, one per media part:
+  a text that holds one (``<|image_pad|>`` written in a message, for any kind the model's
+  processor reads, configured or not) raises `SampleFormatError` naming the sample, as the
+  model's own processor refuses such a prompt. Strings that are not placeholder tokens of the
+  model (``<image>`` for Qwen2-VL) stay text.
 
 In roles mode (``loss_mask_mode=None``) the result is per-message lengths and roles; the tokens
 of a message outside its generation block are a span of role `TEMPLATE_MARKUP_ROLE`, which is
@@ -30,9 +43,9 @@ never trained.
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import functools
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -65,13 +78,16 @@ class TemplateMedia:
     that replace the placeholder for an item of `kind` taking `n` tokens. ``units``: the media
     units (``media_capacity``'s rows of the vision / audio tower) of an item taking `n` tokens
     (None: not counted, 0). ``list_content``: every message's content is a list of typed items
-    (multimodal templates), not a string."""
+    (multimodal templates), not a string. ``other_placeholder_ids``: placeholders of kinds the
+    model reads but the run does not configure; like the configured ones, refused in message
+    text."""
 
     placeholder_ids: Mapping[str, int]
     count: Callable[[MediaHandle], int]
     expansion: Callable[[str, int], list[int]]
     list_content: bool = False
     units: Callable[[MediaHandle, int], int] | None = None
+    other_placeholder_ids: Mapping[str, int] = dataclasses.field(default_factory=dict)
 
 
 def markup_media(
@@ -89,11 +105,13 @@ def markup_media(
                 "processing; pass the model's Hugging Face processor instead"
             )
         ids[kind] = int(vocab[token])
+    others = {k: int(vocab[t]) for k, t in MEDIA_TOKENS.items() if k not in ids and t in vocab}
     return TemplateMedia(
         placeholder_ids=ids,
         count=functools.partial(_patch_count, settings=settings),
         expansion=functools.partial(_repeat_placeholder, ids),
         units=functools.partial(_patch_units, settings=settings),
+        other_placeholder_ids=others,
     )
 
 
@@ -109,25 +127,130 @@ def _repeat_placeholder(ids: Mapping[str, int], kind: str, count: int) -> list[i
     return [ids[kind]] * count
 
 
-def hf_messages(conversation: Conversation, *, list_content: bool = False) -> list[dict[str, Any]]:
+def hf_messages(
+    conversation: Conversation,
+    *,
+    list_content: bool = False,
+    text_of: Callable[[int, int, str], str] | None = None,
+) -> list[dict[str, Any]]:
     """The conversation as Hugging Face chat messages (see the module docstring); with
     `list_content` every message's content is a list of items (what multimodal templates
-    expect), else a turn without media has a plain string."""
+    expect), else a turn without media has a plain string. `text_of(turn, part, text)`, if
+    given, replaces each non-empty text part's text."""
     messages: list[dict[str, Any]] = []
-    for turn in conversation.turns:
+    for m, turn in enumerate(conversation.turns):
+        texts = [
+            p.text if text_of is None or not p.text else text_of(m, i, p.text)
+            for i, p in enumerate(turn.parts)
+        ]
         if not list_content and all(p.media is None for p in turn.parts):
-            messages.append(
-                {"role": turn.role, "content": "".join(p.text or "" for p in turn.parts)}
-            )
+            messages.append({"role": turn.role, "content": "".join(t or "" for t in texts)})
             continue
         content: list[dict[str, Any]] = []
-        for part in turn.parts:
+        for part, text in zip(turn.parts, texts, strict=True):
             if part.media is not None:
                 content.append({"type": part.media.kind})
-            elif part.text:
-                content.append({"type": "text", "text": part.text})
+            elif text:
+                content.append({"type": "text", "text": text})
         messages.append({"role": turn.role, "content": content})
     return messages
+
+
+def _text_spans(
+    tokenizer: Any,
+    conversation: Conversation,
+    list_content: bool,
+    full: str,
+    bounds: list[int],
+) -> list[dict[int, tuple[int, int]]]:
+    """Where each text part lies in the rendering `full`: per message, part index ->
+    ``(start, end)`` character offsets. Found by rendering the conversation once more with
+    each text replaced by a unique sentinel, so a text is never matched in the template's own
+    markup (a role header, a system prompt): the sentinels' places, with the texts put back,
+    must give `full` exactly (texts rendered verbatim, or trimmed at the ends of a message's
+    content or of a part, as templates that ``| trim`` do); else `ChatTemplateError`."""
+    key = conversation.__key__
+    turns = conversation.turns
+    texts = [
+        (m, p, part.text)
+        for m, turn in enumerate(turns)
+        for p, part in enumerate(turn.parts)
+        if part.media is None and part.text
+    ]
+    spans: list[dict[int, tuple[int, int]]] = [{} for _ in turns]
+    if not texts:
+        return spans
+    # two private-use characters that occur nowhere in the rendering (so in no text)
+    code = next(
+        (c for c in range(0xE000, 0xF8FF, 2) if chr(c) not in full and chr(c + 1) not in full),
+        None,
+    )
+    if code is None:
+        raise ChatTemplateError(
+            f"sample {key!r}: the text uses every private-use character, so its parts cannot "
+            "be marked to be located in the rendering"
+        )
+    opener, closer = chr(code), chr(code + 1)
+    index = {(m, p): i for i, (m, p, _) in enumerate(texts)}
+    messages = hf_messages(
+        conversation,
+        list_content=list_content,
+        text_of=lambda m, p, _text: f"{opener}{index[(m, p)]}{closer}",
+    )
+    try:
+        marked = tokenizer.apply_chat_template(messages, tokenize=False)
+    except Exception as err:
+        raise ChatTemplateError(
+            f"sample {key!r}: the chat template failed to render ({type(err).__name__}: {err})"
+        ) from err
+    pieces = re.split(f"{opener}([0-9]+){closer}", str(marked))
+    if [int(i) for i in pieces[1::2]] != list(range(len(texts))):
+        raise ChatTemplateError(
+            f"sample {key!r}: the chat template does not render each text part once, in order, "
+            "so its tokens cannot be located"
+        )
+    markup = pieces[0::2]
+    for rendered in (
+        [t for _, _, t in texts],
+        [t.strip() for _, _, t in texts],
+        _trimmed_contents(texts),
+    ):
+        if "".join(x for pair in zip(markup, [*rendered, ""], strict=True) for x in pair) != full:
+            continue
+        pos = 0
+        for (m, p, _), before, text in zip(texts, markup, rendered, strict=False):
+            pos += len(before)
+            if not bounds[m] <= pos <= pos + len(text) <= bounds[m + 1]:
+                break
+            if text:
+                spans[m][p] = (pos, pos + len(text))
+            pos += len(text)
+        else:
+            return spans
+        spans = [{} for _ in turns]
+    raise ChatTemplateError(
+        f"sample {key!r}: the chat template does not render the part's text verbatim (nor "
+        "trimmed), so its tokens cannot be located"
+    )
+
+
+def _trimmed_contents(texts: list[tuple[int, int, str]]) -> list[str]:
+    """Each text as it renders when its message's whole content is trimmed: the leading
+    whitespace of the message's first texts and the trailing whitespace of its last ones go."""
+    out = [t for _, _, t in texts]
+    by_message: dict[int, list[int]] = {}
+    for i, (m, _, _) in enumerate(texts):
+        by_message.setdefault(m, []).append(i)
+    for members in by_message.values():
+        for i in members:
+            out[i] = out[i].lstrip()
+            if out[i]:
+                break
+        for i in reversed(members):
+            out[i] = out[i].rstrip()
+            if out[i]:
+                break
+    return out
 
 
 def _fast_backend(tokenizer: Any) -> Any:
@@ -209,8 +332,8 @@ class ChatTemplateEncoder:
         conversation rendered by the chat template, validated
         (`EncodedConversation.validated_from`). Raises `ChatTemplateError` when the rendering
         cannot be mapped back onto the messages and parts, `SampleFormatError` for sample
-        problems (a part's flags contradicting its role in roles mode, placeholders that do
-        not match the media)."""
+        problems (a part's flags contradicting its role in roles mode, a media placeholder
+        token written in the text, placeholders that do not match the media)."""
         tokenizer = self.tokenizer
         media = self.media
         train_roles = self.train_roles
@@ -230,23 +353,26 @@ class ChatTemplateEncoder:
         bounds = _message_bounds(renderings, key)
         full = renderings[-1]
         encoding = _fast_backend(tokenizer).encode(full, add_special_tokens=False)
-        ids = list(encoding.ids)
-        offsets = list(encoding.offsets)
+        ids = np.asarray(encoding.ids, dtype=np.int64)
+        offsets = np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2)
         n = len(ids)
 
-        message_of = np.empty(n, dtype=np.int64)
-        for i, (start, end) in enumerate(offsets):
-            m = bisect.bisect_right(bounds, start) - 1
-            m = min(max(m, 0), len(turns) - 1)
-            if end > bounds[m + 1]:
-                raise ChatTemplateError(
-                    f"sample {key!r}: token {i} ({full[start:end]!r}) straddles the end of message "
-                    f"{m}'s rendering; message boundaries do not fall on token boundaries"
-                )
-            message_of[i] = m
+        message_of = np.searchsorted(
+            np.asarray(bounds[1:-1], dtype=np.int64), offsets[:, 0], "right"
+        )
+        ends = np.asarray(bounds[1:], dtype=np.int64)[message_of]
+        straddling = np.flatnonzero(offsets[:, 1] > ends)
+        if len(straddling):
+            i = int(straddling[0])
+            start, end = (int(v) for v in offsets[i])
+            raise ChatTemplateError(
+                f"sample {key!r}: token {i} ({full[start:end]!r}) straddles the end of message "
+                f"{int(message_of[i])}'s rendering; message boundaries do not fall on token "
+                "boundaries"
+            )
 
         in_generation = (
-            _generation_mask(tokenizer, messages, ids, key)
+            _generation_mask(tokenizer, messages, ids.tolist(), key)
             if self.uses_generation_blocks
             else np.zeros(n, dtype=np.bool_)
         )
@@ -259,72 +385,46 @@ class ChatTemplateEncoder:
         precomputed = self.loss_mask_mode == "precomputed"
         if not precomputed:
             _check_flags_match_roles(conversation, train_roles)
-        placeholder_kind = {int(v): k for k, v in media.placeholder_ids.items()}
+        placeholders = _match_placeholders(conversation, ids, message_of, media, full, offsets)
+        # roles mode: the tokens of a message outside its generation block
+        markup_span = np.zeros(n, dtype=np.bool_)
         trainable = np.zeros(n, dtype=np.bool_)
-        markup_span = np.zeros(n, dtype=np.bool_)  # roles mode: outside the generation block
-        placeholders: list[tuple[int, MediaHandle]] = []
+        spans = (
+            _text_spans(tokenizer, conversation, media.list_content, full, bounds)
+            if precomputed
+            else None
+        )
+        # precomputed mode: one flag per character of the rendering (each text part's own,
+        # the message's marker elsewhere); a token is trained iff every character it covers is
+        char_flag = np.zeros(len(full), dtype=np.bool_)
+        marker_of = np.zeros(len(turns), dtype=np.bool_)
         for m, turn in enumerate(turns):
             lo = int(np.searchsorted(message_of, m, side="left"))
             hi = int(np.searchsorted(message_of, m, side="right"))
             by_role = turn.role in train_roles
-            flags = [p.trainable for p in turn.parts if p.media is None and p.trainable is not None]
-            marker = (any(flags) if flags else by_role) if precomputed else by_role
-            uses_generation = bool(in_generation[lo:hi].any())
-            token_flag = np.full(hi - lo, marker, dtype=np.bool_)
-            if uses_generation:
-                token_flag &= in_generation[lo:hi]
+            if bool(in_generation[lo:hi].any()):
                 markup_span[lo:hi] = ~in_generation[lo:hi]
-            cursor = bounds[m]
-            end = bounds[m + 1]
-            part_tokens: list[int] = []
-            for p_idx, part in enumerate(turn.parts):
-                if part.media is not None:
-                    want = media.placeholder_ids.get(part.media.kind)
-                    if want is None:
-                        raise SampleFormatError(
-                            f"sample {key!r}: {part.media.kind} media {part.media.key!r} has no "
-                            "placeholder token configured"
-                        )
-                    t = _next_token(ids, offsets, lo, hi, cursor, int(want))
-                    if t is None:
-                        raise ChatTemplateError(
-                            f"sample {key!r}: message {m}: the chat template rendered no "
-                            f"{part.media.kind} placeholder for media {part.media.key!r}"
-                        )
-                    placeholders.append((t, part.media))
-                    part_tokens.append(t)
-                    cursor = offsets[t][1]
-                    if precomputed:
-                        token_flag[t - lo] = by_role if not flags else False
-                    continue
-                if not part.text:
-                    continue
-                where = full.find(part.text, cursor, end)
-                text = part.text
-                if where < 0:
-                    text = part.text.strip()
-                    where = full.find(text, cursor, end) if text else -1
-                if where < 0:
-                    raise ChatTemplateError(
-                        f"sample {key!r}: message {m} part {p_idx}: the chat template does not "
-                        "render the part's text verbatim, so its tokens cannot be located"
-                    )
-                if precomputed:
-                    flag = by_role if part.trainable is None else part.trainable
-                    for t in range(lo, hi):
-                        start = offsets[t][0]
-                        if where <= start < where + len(text):
-                            token_flag[t - lo] = flag and (in_generation[t] or not uses_generation)
-                cursor = where + len(text)
-            filled = set(part_tokens)
-            extra = [t for t in range(lo, hi) if ids[t] in placeholder_kind and t not in filled]
-            if extra:
-                raise SampleFormatError(
-                    f"sample {key!r}: message {m} holds {len(extra)} media placeholder token(s) "
-                    f"({placeholder_kind[ids[extra[0]]]}) that no media item of the sample fills "
-                    "(a placeholder written in the text?)"
-                )
-            trainable[lo:hi] = token_flag
+            if spans is None:
+                trainable[lo:hi] = by_role
+                continue
+            flags = [p.trainable for p in turn.parts if p.media is None and p.trainable is not None]
+            marker_of[m] = any(flags) if flags else by_role
+            char_flag[bounds[m] : bounds[m + 1]] = marker_of[m]
+            for p_idx, (s_lo, s_hi) in spans[m].items():
+                part = turn.parts[p_idx]
+                char_flag[s_lo:s_hi] = by_role if part.trainable is None else part.trainable
+            for t, _ in placeholders:
+                if lo <= t < hi:
+                    # media is not trained where the message marks its text per fragment
+                    char_flag[offsets[t, 0] : offsets[t, 1]] = by_role and not flags
+        if spans is not None:
+            untrained = np.concatenate([[0], np.cumsum(~char_flag)])
+            covered = untrained[offsets[:, 1]] - untrained[offsets[:, 0]] == 0
+            # a token with no text (none in a byte-level BPE) follows its message's marker
+            empty = offsets[:, 1] <= offsets[:, 0]
+            trainable = np.where(empty, marker_of[message_of], covered)
+        # with generation blocks, a message that has some trains only the tokens inside them
+        trainable &= ~markup_span
         return _expand(
             conversation,
             ids,
@@ -338,13 +438,55 @@ class ChatTemplateEncoder:
         )
 
 
-def _next_token(
-    ids: list[int], offsets: list[tuple[int, int]], lo: int, hi: int, cursor: int, want: int
-) -> int | None:
-    for t in range(lo, hi):
-        if ids[t] == want and offsets[t][0] >= cursor:
-            return t
-    return None
+def _match_placeholders(
+    conversation: Conversation,
+    ids: np.ndarray,
+    message_of: np.ndarray,
+    media: TemplateMedia,
+    full: str,
+    offsets: np.ndarray,
+) -> list[tuple[int, MediaHandle]]:
+    """The placeholder token of each media part: the k-th part of a kind in a message takes
+    the k-th placeholder token of that kind the template rendered in the message. A media
+    placeholder token the parts do not account for was written in the text: the model's
+    processor would read it as media there is none of, so the sample is refused."""
+    key = conversation.__key__
+    model_ids = {int(v): k for k, v in media.other_placeholder_ids.items()}
+    model_ids.update({int(v): k for k, v in media.placeholder_ids.items()})
+    is_placeholder = np.isin(ids, np.fromiter(model_ids, dtype=np.int64, count=len(model_ids)))
+    found: list[tuple[int, MediaHandle]] = []
+    for m, turn in enumerate(conversation.turns):
+        where = np.flatnonzero(is_placeholder & (message_of == m))
+        by_kind: dict[str, list[int]] = {}
+        for t in where.tolist():
+            by_kind.setdefault(model_ids[int(ids[t])], []).append(t)
+        for part in turn.parts:
+            if part.media is None:
+                continue
+            kind = part.media.kind
+            if kind not in media.placeholder_ids:
+                raise SampleFormatError(
+                    f"sample {key!r}: {kind} media {part.media.key!r} has no placeholder token "
+                    "configured"
+                )
+            rendered = by_kind.get(kind)
+            if not rendered:
+                raise ChatTemplateError(
+                    f"sample {key!r}: message {m}: the chat template rendered no {kind} "
+                    f"placeholder for media {part.media.key!r}"
+                )
+            found.append((rendered.pop(0), part.media))
+        extra = [t for left in by_kind.values() for t in left]
+        if extra:
+            t = min(extra)
+            token = full[offsets[t, 0] : offsets[t, 1]]
+            raise SampleFormatError(
+                f"sample {key!r}: the text of message {m} ({turn.role}) holds the media "
+                f"placeholder {token!r} ({model_ids[int(ids[t])]}), which the model's processor "
+                f"reads as media, but no media item of the sample fills it ({len(extra)} such "
+                "token(s)); remove it from the text or give the media as a media part"
+            )
+    return found
 
 
 def _check_flags_match_roles(conversation: Conversation, train_roles: Sequence[str]) -> None:
@@ -360,7 +502,7 @@ def _check_flags_match_roles(conversation: Conversation, train_roles: Sequence[s
 
 def _expand(
     conversation: Conversation,
-    ids: list[int],
+    ids: np.ndarray,
     trainable: np.ndarray,
     message_of: np.ndarray,
     markup_span: np.ndarray,

@@ -23,7 +23,7 @@ from typing import Any
 from mmpack.batch.options import BatchOptions
 from mmpack.errors import EnergonConfigError
 
-__all__ = ["RENAMED_FIELDS", "RETIRED_FIELDS", "PackingEncoderConfig"]
+__all__ = ["KNOWN_ROLES", "RENAMED_FIELDS", "RETIRED_FIELDS", "PackingEncoderConfig"]
 
 LOSS_MASK_MODES = (None, "precomputed")
 OVERSIZE_POLICIES = ("skip", "error")
@@ -31,6 +31,9 @@ UNDECLARED_MEDIA_POLICIES = ("error", "skip")
 MEDIA_IDENTITIES = ("source", "content")
 KNOWN_MODALITIES = ("image", "audio", "video")
 CONVERSATION_FORMATS = ("auto", "chat_template", "markup")
+#: The chat roles ``train_roles`` may name (those of Hugging Face chat messages), so a typo
+#: ("asistant", "Assistant") stops the run at construction instead of training on nothing.
+KNOWN_ROLES = ("system", "developer", "user", "assistant", "tool", "function", "ipython")
 
 #: Retired field name -> what to use instead.
 RETIRED_FIELDS: dict[str, str] = {
@@ -84,7 +87,8 @@ class PackingEncoderConfig:
             count in ``capacity``.
         loss_mask_mode: ``None`` derives the mask from message roles; ``"precomputed"`` uses the
             encoder's own mask (per-fragment ``trainable`` flags) after validation.
-        train_roles: roles whose tokens are trained on (both modes).
+        train_roles: roles whose tokens are trained on (both modes); each one of
+            `KNOWN_ROLES` (case-sensitive).
         on_oversize: ``"skip"`` (counted, logged) or ``"error"`` (a typed error naming the sample,
             handled by Energon's failure tolerance) for a sample longer than ``capacity`` once
             padded, or with more media than ``media_capacity``.
@@ -205,6 +209,14 @@ class PackingEncoderConfig:
             raise EnergonConfigError(
                 f"train_roles must be a non-empty list of role names, got {self.train_roles!r}"
             )
+        for role in self.train_roles:
+            if role not in KNOWN_ROLES:
+                close = difflib.get_close_matches(role, KNOWN_ROLES, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise EnergonConfigError(
+                    f"train_roles: unknown role {role!r}{hint}; roles are case-sensitive, "
+                    f"known: {', '.join(KNOWN_ROLES)}"
+                )
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:

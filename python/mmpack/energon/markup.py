@@ -3,10 +3,11 @@ chat template, built for it): how a cooked `Conversation` becomes tokens, messag
 (in ``"precomputed"`` mode) a loss mask.
 
 Layout per message: ``<|role|>`` + parts + ``<|end|>``; a media part expands to ``num_tokens``
-copies of its media token (``<image>``, ``<audio>``). Media stays lazy here: only its token count
-is read. In ``"precomputed"`` mode a text fragment is trainable per its own flag (or per role when
-it has none), media is not, and the role and end markers follow the message (trainable if any of
-its fragments is); the mask itself is built by `mmpack.batch.masks.from_fragments`.
+copies of its media token (``<image>``, ``<audio>``); text holding a media token is refused.
+Media stays lazy here: only its token count is read. In ``"precomputed"`` mode a text fragment
+is trainable per its own flag (or per role when it has none), media is not, and the role and end
+markers follow the message (trainable if any of its fragments is); the mask itself is built by
+`mmpack.batch.masks.from_fragments`.
 """
 
 from __future__ import annotations
@@ -37,7 +38,8 @@ MEDIA_TOKENS = {"image": "<image>", "audio": "<audio>"}
 
 def special_token_ids(tokenizer: Any, modalities: Iterable[str]) -> dict[str, int]:
     """Ids of the markup's special tokens (role markers, end marker, one media token per
-    modality); raises `EnergonConfigError` naming the ones the tokenizer lacks."""
+    modality, and the media tokens of other kinds the tokenizer has, which text may not
+    hold either); raises `EnergonConfigError` naming the ones the tokenizer lacks."""
     needed = [*ROLE_TOKENS.values(), END_TOKEN]
     needed += [MEDIA_TOKENS[m] for m in modalities]
     vocab = tokenizer.get_vocab()
@@ -47,6 +49,7 @@ def special_token_ids(tokenizer: Any, modalities: Iterable[str]) -> dict[str, in
             f"the tokenizer lacks the special tokens {missing} that the default "
             "encode_conversation needs; add them or override encode_conversation"
         )
+    needed += [t for t in MEDIA_TOKENS.values() if t in vocab and t not in needed]
     return {t: int(vocab[t]) for t in needed}
 
 
@@ -87,6 +90,16 @@ class MarkupEncoder:
         self.media_settings = media_settings
         self.train_roles = tuple(train_roles)
         self.loss_mask_mode = loss_mask_mode
+        unknown = [r for r in self.train_roles if r not in ROLE_TOKENS]
+        if unknown:
+            raise EnergonConfigError(
+                f"train_roles {unknown}: mmpack's markup has no such role (it has "
+                f"{', '.join(ROLE_TOKENS)}); use the tokenizer's chat template for other roles"
+            )
+        #: media token id -> token: text that tokenizes to one would be read as media
+        self.media_ids = {
+            self.token_ids[t]: t for t in MEDIA_TOKENS.values() if t in self.token_ids
+        }
 
     def encode(self, conversation: Conversation) -> EncodedConversation:
         """Tokens, per-message lengths/roles and (in ``"precomputed"`` mode) the loss mask of one
@@ -137,6 +150,14 @@ class MarkupEncoder:
                     toks = next(text_iter)
                     if not toks:
                         continue
+                    held = [self.media_ids[t] for t in toks if t in self.media_ids]
+                    if held:
+                        raise SampleFormatError(
+                            f"sample {conversation.__key__!r}: the text of a {turn.role!r} turn "
+                            f"holds the media token {held[0]!r}, which would be read as media "
+                            "that the sample does not have; remove it from the text or give "
+                            "the media as a media part"
+                        )
                     chunks.append(list(toks))
                     frag_lengths.append(len(toks))
                     frag_trainable.append(by_role if part.trainable is None else part.trainable)

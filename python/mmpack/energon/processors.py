@@ -551,12 +551,19 @@ class ModelProcessor:
 
     def template_media(self, modalities: Iterable[str]) -> TemplateMedia:
         """How the chat template's placeholders expand through this processor."""
+        configured = tuple(modalities)
         return TemplateMedia(
-            placeholder_ids={kind: self.placeholder_id(kind) for kind in modalities},
+            placeholder_ids={kind: self.placeholder_id(kind) for kind in configured},
             count=self.count,
             expansion=self.expansion,
             list_content=True,
             units=self.units if self.unit_rule is not None else None,
+            # the processor reads these as media too, configured or not
+            other_placeholder_ids={
+                kind: self.placeholder_id(kind)
+                for kind in self.modalities
+                if kind not in configured
+            },
         )
 
     def _kwargs_for(self, kind: str) -> dict[str, Any]:

@@ -9,6 +9,7 @@ missing module mid-training."""
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -133,8 +134,10 @@ def resolve_conversation_format(
 def resolve_media_settings(processor: Any, modalities: Iterable[str]) -> MediaSettings:
     """Read the settings each modality needs from `processor` (an object or a mapping; nested
     ``image_processor`` / ``feature_extractor`` are searched too). Raises `ModalityConfigError`
-    naming every missing or invalid setting."""
+    naming every missing or invalid setting, and a mapping's first unknown setting name."""
     modalities = tuple(modalities)
+    if isinstance(processor, Mapping):
+        _check_setting_names(processor, "processor")
     found: dict[str, int] = {}
     problems: list[str] = []
     for modality in modalities:
@@ -169,6 +172,26 @@ def resolve_media_settings(processor: Any, modalities: Iterable[str]) -> MediaSe
             "dropped one by one during training."
         )
     return MediaSettings(**found)
+
+
+def _check_setting_names(settings: Mapping[Any, Any], where: str) -> None:
+    """A mapping of patchifier settings holds only names mmpack reads (and the nested
+    sub-processor mappings); anything else is a typo that would leave a default in force."""
+    known = sorted(
+        {n for table in _SETTINGS.values() for _, names in table.values() for n in names}
+    )
+    for name, value in settings.items():
+        if name in _SUB_OBJECTS and where == "processor":
+            if isinstance(value, Mapping):
+                _check_setting_names(value, f"processor[{name!r}]")
+            continue
+        if name not in known:
+            close = difflib.get_close_matches(str(name), known, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ModalityConfigError(
+                f"{where}: unknown setting {name!r}{hint}; mmpack's own media processing reads "
+                f"{', '.join(known)} (and the nested {', '.join(_SUB_OBJECTS)})"
+            )
 
 
 def check_optional_dependencies(modalities: Iterable[str]) -> None:
