@@ -5,8 +5,11 @@ child processes on the same generated batch: one with NeMo-RL's classes as they 
 ``mmpack.compat.nemo_rl.install()`` (and a third with ``install(accelerate=True)``, mmpack's
 opt-in versions of ``BatchedDataDict``'s hot methods). Each child times the stages GRPO runs on
 the batch, then fingerprints every stage's output; the parent checks that the fingerprints are
-identical and prints the per-stage table, the totals, the PackedTensor share and the payload
-bytes per shard.
+identical and prints the per-stage table, the totals, the PackedTensor share, the payload
+bytes per shard, the memory high-water mark by the end of each stage, the unique bytes of the
+batch (each image once, and the token tensors) with the path's memcpy floor (those bytes over
+this machine's memcpy bandwidth, measured in the same run), and the object-store bytes written,
+read and sent between nodes where a store meter is set (``STORE_METER``; "n/a" otherwise).
 
 The batch is shaped like a multimodal GRPO batch: ``B`` prompts, each a message log whose user
 message holds token ids and Qwen2-VL-like ``pixel_values`` (patches x 1176, float32) and
