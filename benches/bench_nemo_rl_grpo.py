@@ -5,8 +5,11 @@ child processes on the same generated batch: one with NeMo-RL's classes as they 
 ``mmpack.compat.nemo_rl.install()`` (and a third with ``install(accelerate=True)``, mmpack's
 opt-in versions of ``BatchedDataDict``'s hot methods). Each child times the stages GRPO runs on
 the batch, then fingerprints every stage's output; the parent checks that the fingerprints are
-identical and prints the per-stage table, the totals, the PackedTensor share and the payload
-bytes per shard.
+identical and prints the per-stage table, the totals, the PackedTensor share, the payload
+bytes per shard, the memory high-water mark by the end of each stage, the unique bytes of the
+batch (each image once, and the token tensors) with the path's memcpy floor (those bytes over
+this machine's memcpy bandwidth, measured in the same run), and the object-store bytes written,
+read and sent between nodes where a store meter is set (``STORE_METER``; "n/a" otherwise).
 
 The batch is shaped like a multimodal GRPO batch: ``B`` prompts, each a message log whose user
 message holds token ids and Qwen2-VL-like ``pixel_values`` (patches x 1176, float32) and
@@ -153,16 +156,68 @@ def append_responses(repeated: Any, seed: int) -> None:
 # ------------------------------------------------------------------------------- the path
 
 
+def _peak_rss() -> int:
+    """The process's resident-memory high-water mark, in bytes."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
 class Timer:
+    """Seconds per stage (summed over its calls) and the memory high-water mark of the process
+    when the stage last ended (the peak reached by then: the mark only rises)."""
+
     def __init__(self) -> None:
         self.seconds: dict[str, float] = collections.defaultdict(float)
+        self.peak_rss: dict[str, int] = {}
 
     def run(self, stage: str, fn: Callable[[], Any]) -> Any:
         gc.collect()
         start = time.perf_counter()
         out = fn()
         self.seconds[stage] += time.perf_counter() - start
+        self.peak_rss[stage] = _peak_rss()
         return out
+
+
+def unique_bytes(batch: Any, train: Any) -> dict[str, int]:
+    """What the batch holds once: the prompts' media (each image once, however many rows and
+    shards reference it; float32 as made and in the train batch's bfloat16) and the train
+    batch's token-level tensors (one copy of each)."""
+    import torch
+
+    media_f32 = media_bf16 = 0
+    seen: set[int] = set()
+    for log in batch["message_log"]:
+        for message in log:
+            for key in ("pixel_values", "image_grid_thw"):
+                value = message.get(key)
+                if value is None:
+                    continue
+                for t in value.tensors:
+                    if t is None or id(t) in seen:
+                        continue
+                    seen.add(id(t))
+                    media_f32 += t.nbytes
+                    cast = t.is_floating_point() and key == "pixel_values"
+                    media_bf16 += t.numel() * 2 if cast else t.nbytes
+    tokens = sum(v.nbytes for v in train.values() if isinstance(v, torch.Tensor))
+    return {"media_f32": media_f32, "media_bf16": media_bf16, "tokens": tokens}
+
+
+def memcpy_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float:
+    """This machine's memcpy bandwidth (bytes/s, one thread as the path runs): the best of
+    ``repeats`` copies of ``nbytes`` between two preallocated buffers."""
+    import torch
+
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best
 
 
 def microbatches(shard: Any, packing: bool, global_batch: int) -> Iterator[Any]:
@@ -296,8 +351,11 @@ def run_path(
     note("from_batches", back)
     return {
         "seconds": dict(timer.seconds),
+        "peak_rss_by_stage": timer.peak_rss,
         "digests": digests,
         "payload_bytes": payload_bytes,
+        "store": RAY.store_counters(),
+        "unique_bytes": unique_bytes(batch, train),
         "rows": len(repeated["message_log"]),
     }
 
@@ -339,6 +397,13 @@ class _Ray:
     def get(self, ref: Any) -> Any:
         return self._ray().get(ref)
 
+    def store_counters(self) -> dict[str, int] | None:
+        """Bytes written into and read out of the object store, and bytes between nodes, for
+        the pass just run, where a store meter provides them (``STORE_METER``: a callable
+        returning a dict with ``written``, ``read`` and ``between_nodes``); ``None`` without
+        one, and the table shows "n/a"."""
+        return STORE_METER() if STORE_METER is not None else None
+
     def payload_bytes(self, value: Any) -> int:
         """In-band plus out-of-band bytes Ray's serializer writes for ``value``."""
         from ray._private.worker import global_worker
@@ -348,6 +413,8 @@ class _Ray:
 
 
 RAY = _Ray()
+#: The hook for an object-store meter (see ``_Ray.store_counters``); the multi-node bench sets it.
+STORE_METER: Callable[[], dict[str, int]] | None = None
 
 
 # ------------------------------------------------------------------------------- fingerprints
@@ -519,9 +586,8 @@ def child(args: argparse.Namespace) -> None:
     if args.verify:
         checked = one_pass(fingerprint=True)
         result["digests"], result["payload_bytes"] = checked["digests"], checked["payload_bytes"]
-    import resource
-
-    result["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    result["peak_rss_bytes"] = _peak_rss()
+    result["memcpy_bytes_per_s"] = memcpy_bandwidth()
     Path(args.result).write_text(json.dumps(result))
 
 
@@ -602,8 +668,7 @@ def parent(args: argparse.Namespace) -> int:
                 + " | ".join(f"{x:.1f}x" for x in ratios)
                 + " |"
             )
-        for m in modes:
-            print(f"peak memory, {m}: {results[m]['peak_rss_bytes'] / 2**30:.1f} GiB")
+        _print_memory_and_floor(results, modes)
         for m in modes:
             pb = results[m]["payload_bytes"]
             print(
@@ -631,6 +696,53 @@ def parent(args: argparse.Namespace) -> int:
         report.append({"prompts": prompts, "results": results})
     (Path(args.out) / "grpo-report.json").write_text(json.dumps(report, indent=1))
     return 1 if failures else 0
+
+
+def _print_memory_and_floor(results: dict[str, Any], modes: list[str]) -> None:
+    """Peak memory by stage, the unique bytes of the batch, the memcpy floor of the path beside
+    the totals, and the object-store bytes where a meter provides them."""
+    print("\n| peak RSS by the end of (GiB) | " + " | ".join(modes) + " |")
+    print("|---" * (1 + len(modes)) + "|")
+    for stage in STAGES:
+        cells = [
+            f"{r['peak_rss_by_stage'][stage] / 2**30:.2f}"
+            if stage in r.get("peak_rss_by_stage", {})
+            else "n/a"
+            for r in (results[m] for m in modes)
+        ]
+        print(f"| {stage} | " + " | ".join(cells) + " |")
+    print("| whole process | " + " | ".join(
+        f"{results[m]['peak_rss_bytes'] / 2**30:.2f}" for m in modes) + " |")  # fmt: skip
+    first = results[modes[0]]
+    unique = first.get("unique_bytes")
+    if unique:
+        bandwidth = min(r["memcpy_bytes_per_s"] for r in results.values())
+        floor_bytes = unique["media_bf16"] + unique["tokens"]
+        print(
+            f"\nunique bytes of the batch: media {unique['media_f32'] / 1e9:.3f} GB as float32, "
+            f"{unique['media_bf16'] / 1e9:.3f} GB in the train batch's bfloat16; token tensors "
+            f"{unique['tokens'] / 1e9:.3f} GB"
+        )
+        totals = {
+            m: sum(v for k, v in r["seconds"].items() if k in STAGES) for m, r in results.items()
+        }
+        print(
+            f"memcpy bandwidth {bandwidth / 1e9:.2f} GB/s (one thread, this run); floor of the "
+            f"path (media bf16 + tokens, copied once) {floor_bytes / bandwidth:.3f} s; totals: "
+            + ", ".join(
+                f"{m} {t:.3f} s ({t * bandwidth / floor_bytes:.0f}x the floor)"
+                for m, t in totals.items()
+            )
+        )
+    for m in modes:
+        store = results[m].get("store")
+        if store is None:
+            print(f"object store, {m}: n/a (no store meter; bytes between nodes: n/a)")
+        else:
+            print(
+                f"object store, {m}: written {store['written']:,} B, read {store['read']:,} B, "
+                f"between nodes {store.get('between_nodes', 0):,} B"
+            )
 
 
 def main() -> int:

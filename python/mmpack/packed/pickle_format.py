@@ -251,28 +251,30 @@ def _unflatten_into(
     out: list[Any], base: torch.Tensor, slots: list[int], shapes: list[Any]
 ) -> None:
     """Views of ``base`` for the members ``slots`` (in order), into ``out``: runs of members
-    with one shape become one ``view(k, *shape).unbind(0)``."""
+    that differ only in their leading size become one ``view(-1, *rest).split(sizes)``."""
     pos = 0
     j = 0
     n = len(slots)
     total = base.numel()
     while j < n:
         shape = shapes[slots[j]]
+        rest = shape[1:]
         k = j + 1
-        while k < n and shapes[slots[k]] == shape:
-            k += 1
-        numel = math.prod(shape)
-        count = k - j
-        if pos + numel * count > total:
+        if shape and math.prod(rest):
+            while k < n and (s := shapes[slots[k]])[1:] == rest and s:
+                k += 1
+        numel = sum(math.prod(shapes[i]) for i in slots[j:k]) if k > j + 1 else math.prod(shape)
+        if pos + numel > total:
             break
-        block = base[pos : pos + numel * count]
-        if count == 1:
+        block = base[pos : pos + numel]
+        if k == j + 1:
             out[slots[j]] = block.view(shape)
         else:
-            pieces = block.view((count, *shape)).unbind(0)
+            sizes = [shapes[i][0] for i in slots[j:k]]
+            pieces = block.view((-1, *rest)).split(sizes)
             for i, piece in zip(slots[j:k], pieces, strict=True):
                 out[i] = piece
-        pos += numel * count
+        pos += numel
         j = k
     if j < n or pos != total:
         raise LayoutError(f"{CORRUPT}: its shape table does not match its buffer")
@@ -304,6 +306,10 @@ def _decode_group(payload: Any) -> list[Any]:
         _MEMBER_COST * len(dtypes_a) + 48 * len(dims_a) + _BUFFER_COST * len(buffers) + copied,
         "a PackedTensor group",
     )
+    if len(buffers) == 1:
+        uniform = _decode_uniform(ranks_a, dims_a, buffers[0])
+        if uniform is not None:
+            return uniform
     dtypes_l, ranks_l, dims_l = dtypes_a.tolist(), ranks_a.tolist(), dims_a.tolist()
     n = len(dtypes_l)
     shapes: list[Any] = [None] * n
@@ -316,16 +322,38 @@ def _decode_group(payload: Any) -> list[Any]:
         slots[dtypes_l[j]].append(j)
     out: list[Any] = [None] * n
     for (name, buf), members in zip(buffers, slots, strict=True):
-        dtype = getattr(torch, name, None)
-        if not isinstance(dtype, torch.dtype):
-            raise LayoutError(f"unknown dtype {name!r} in a PackedTensor pickle")
-        data = _writable_bytes(buf)
-        if memoryview(data).nbytes == 0:
-            base = torch.empty(0, dtype=dtype)
-        else:
-            base = torch.frombuffer(data, dtype=torch.uint8).view(dtype)
-        _unflatten_into(out, base, members, shapes)
+        _unflatten_into(out, _buffer_base(name, buf), members, shapes)
     return out
+
+
+def _buffer_base(name: str, buf: Any) -> torch.Tensor:
+    """One buffer of a group as a flat tensor of its dtype."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise LayoutError(f"unknown dtype {name!r} in a PackedTensor pickle")
+    data = _writable_bytes(buf)
+    if memoryview(data).nbytes == 0:
+        return torch.empty(0, dtype=dtype)
+    return torch.frombuffer(data, dtype=torch.uint8).view(dtype)
+
+
+def _decode_uniform(ranks: np.ndarray, dims: np.ndarray, buffer: Any) -> list[Any] | None:
+    """The members of a one-dtype group whose shapes differ only in their leading size (the
+    usual group), as one ``split`` of its buffer; ``None`` for any other group."""
+    n = len(ranks)
+    r = int(ranks[0]) if n else 0
+    if r < 1 or not (ranks == r).all():
+        return None
+    table = dims.reshape(n, r)
+    rest = table[0, 1:]
+    row = math.prod(rest.tolist())
+    if row == 0 or not (table[:, 1:] == rest).all():
+        return None
+    base = _buffer_base(*buffer)
+    sizes = table[:, 0].tolist()
+    if sum(sizes) * row != base.numel():
+        raise LayoutError(f"{CORRUPT}: its shape table does not match its buffer")
+    return list(base.view((-1, *rest.tolist())).split(sizes))
 
 
 def _decode_segments(payload: Any) -> list[Any]:

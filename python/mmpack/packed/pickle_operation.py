@@ -25,6 +25,8 @@ a long-lived pickler's memo nor this bookkeeping keeps media alive.
 from __future__ import annotations
 
 import copyreg
+import itertools
+import operator
 import pickle
 import threading
 import weakref
@@ -75,37 +77,88 @@ _STRIDED = torch.strided
 _TENSOR = torch.Tensor
 
 
+_COMPLEX = frozenset((torch.complex64, torch.complex128))
+
+
 def bufferable(t: Any) -> bool:
     """A plain CPU tensor whose bytes can be written as they are (no autograd, subclass,
     sparse/nested layout or lazy conjugate/negative bit)."""
+    if type(t) is not _TENSOR:
+        return False
+    dtype = t.dtype
     return (
-        type(t) is _TENSOR
-        and t.dtype in BUFFER_DTYPES
+        dtype in BUFFER_DTYPES
         and t.is_cpu
         and not t.requires_grad
         and t.layout is _STRIDED
         and not t.is_nested
         and not t.is_neg()
-        and not t.is_conj()
+        # torch sets the conjugate bit on complex tensors only
+        and (dtype not in _COMPLEX or not t.is_conj())
     )
 
 
-class PickleOp:
-    """One pickling operation: which tensors its groups hold (tensor id -> group, slot)."""
+_FLAGS = operator.attrgetter("dtype", "is_cpu", "requires_grad", "layout", "is_nested")
+_IS_NEG = torch.Tensor.is_neg
+_IS_CONJ = torch.Tensor.is_conj
+_SHAPE = operator.attrgetter("shape")
+_DTYPE = operator.attrgetter("dtype")
 
-    __slots__ = ("__weakref__", "written")
+
+def one_dtype_if_bufferable(tensors: list[Any]) -> torch.dtype | None:
+    """The one dtype of ``tensors`` if every one is ``bufferable`` and all share it, else
+    ``None``: the same checks, made with C-level passes over the list (values often hold tens
+    of thousands of segments)."""
+    if not tensors or set(map(type, tensors)) != {_TENSOR}:
+        return None
+    flags = set(map(_FLAGS, tensors))
+    if len(flags) != 1:
+        return None
+    ((dtype, is_cpu, requires_grad, layout, is_nested),) = flags
+    if (
+        dtype not in BUFFER_DTYPES
+        or not is_cpu
+        or requires_grad
+        or layout is not _STRIDED
+        or is_nested
+        or any(map(_IS_NEG, tensors))
+        or (dtype in _COMPLEX and any(map(_IS_CONJ, tensors)))
+    ):
+        return None
+    return dtype
+
+
+class PickleOp:
+    """One pickling operation: which tensors its groups hold. ``written`` maps a tensor's id to
+    an entry number, and entry ``e`` is slot ``slots[e]`` of the group ``owners[e]`` refers to
+    (flat lists, not a tuple per tensor: fewer objects for the garbage collector to track)."""
+
+    __slots__ = ("__weakref__", "owners", "slots", "written")
 
     def __init__(self) -> None:
-        self.written: dict[int, tuple[weakref.ref[Group], int]] = {}
+        self.written: dict[int, int] = {}
+        self.owners: list[weakref.ref[Group]] = []
+        self.slots: list[int] = []
 
     def add(self, group: Group) -> None:
-        for j, t in enumerate(group.members or ()):
-            self.written[id(t)] = (group.ref, j)
+        members = group.members or ()
+        start = len(self.owners)
+        self.owners.extend(itertools.repeat(group.ref, len(members)))
+        self.slots.extend(range(len(members)))
+        # one C-level pass: tens of thousands of members are common
+        self.written.update(zip(map(id, members), itertools.count(start)))
+
+    def lookup(self, key: int) -> tuple[Group | None, int]:
+        """The live group holding the tensor with id ``key`` and its slot (``None, -1``)."""
+        entry = self.written.get(key)
+        if entry is None:
+            return None, -1
+        return self.owners[entry](), self.slots[entry]
 
     def drop(self, group: Group) -> None:
         for t in group.members or ():
             entry = self.written.get(id(t))
-            if entry is not None and entry[0] is group.ref:
+            if entry is not None and self.owners[entry] is group.ref:
                 del self.written[id(t)]
 
 
@@ -115,10 +168,17 @@ class Group:
     Holds its members until its first write and only weak references after it, so that
     neither a long-lived pickler's memo nor this module keeps media alive."""
 
-    __slots__ = ("__weakref__", "cls", "members", "op", "ref", "refs", "shareable")
+    __slots__ = ("__weakref__", "cls", "dtype", "members", "op", "ref", "refs", "shareable")
 
-    def __init__(self, op: PickleOp, members: list[torch.Tensor], cls: type[PackedTensor]) -> None:
+    def __init__(
+        self,
+        op: PickleOp,
+        members: list[torch.Tensor],
+        cls: type[PackedTensor],
+        dtype: torch.dtype | None = None,
+    ) -> None:
         self.cls = cls  # a group unpickles as a legacy value of this class
+        self.dtype = dtype  # the members' one dtype, when planning saw that they share it
         self.members: list[torch.Tensor] | None = members
         self.refs: list[weakref.ref[torch.Tensor]] | None = None
         self.op = op  # keeps the operation alive while the pickler's memo holds the group
@@ -144,10 +204,14 @@ class Group:
         if needed is not None and len(needed) < n:
             self.shareable = False  # this pickler's memo now holds a partial copy
         if self.members is not None:  # written: keep weak references only
-            self.refs = [weakref.ref(t) for t in self.members]
+            self.refs = list(map(weakref.ref, self.members))
             self.members = None
         proto = protocol if isinstance(protocol, int) else 2
-        state = {STATE_KEY: 1, "group": encode_group(members, proto)}
+        if self.dtype is not None and len(members) == n and needed is None:
+            payload = _encode_one_dtype(members, self.dtype, proto)  # type: ignore[arg-type]
+        else:
+            payload = encode_group(members, proto)
+        state = {STATE_KEY: 1, "group": payload}
         # a group unpickles as a legacy PackedTensor
         return (copyreg._reconstructor, (self.cls, object, None), state)  # type: ignore[attr-defined]
 
@@ -180,6 +244,31 @@ class Plan:
 
 def plan_segments(tensors: list[Any], op: PickleOp | None, cls: type[PackedTensor]) -> Plan:
     """How ``tensors`` are written under ``op``; new groups unpickle as ``cls``."""
+    ids = list(map(id, tensors))
+    if op is not None and op.written and not op.written.keys().isdisjoint(ids):
+        return _plan_sharing(tensors, ids, op, op, cls)
+    n = len(tensors)
+    # The usual value: distinct plain CPU tensors of one dtype, all written into one group of
+    # its own.
+    if n and len(set(ids)) == n:
+        dtype = one_dtype_if_bufferable(tensors)
+        if dtype is not None:
+            codes: Any = np.zeros(n, dtype="<i8")
+            pos: Any = np.arange(n, dtype="<i8")
+            return _own_plan(cls, list(tensors), op, 0, [None], [], codes, pos, {}, dtype)
+    return _plan_sharing(tensors, ids, op, None, cls)
+
+
+def _plan_sharing(
+    tensors: list[Any],
+    ids: list[int],
+    op: PickleOp | None,
+    shared: PickleOp | None,
+    cls: type[PackedTensor],
+) -> Plan:
+    """The general plan: ``None`` slots, repeated tensors, tensors that groups of ``shared``
+    (this operation, when some of its groups may hold them) already hold, and tensors that
+    cannot go into a group."""
     n = len(tensors)
     codes = [-1] * n
     pos = [0] * n
@@ -190,19 +279,16 @@ def plan_segments(tensors: list[Any], op: PickleOp | None, cls: type[PackedTenso
     seen: dict[int, tuple[int, int]] = {}
     own_members: list[torch.Tensor] = []
     own_slot = -1
-    written = op.written if op is not None else {}
     for i, t in enumerate(tensors):
         if t is None:
             continue
-        key = id(t)
+        key = ids[i]
         hit = seen.get(key)
         if hit is None:
             # a group of this operation holding t: alive, not written partly, and t itself
             # (not a new tensor that reuses the id of a dead one)
-            entry = written.get(key)
-            group = entry[0]() if entry is not None else None
+            group, j = shared.lookup(key) if shared is not None else (None, -1)
             if group is not None and group.shareable:
-                j = entry[1]  # type: ignore[index]
                 members = group.members
                 member = members[j] if members is not None else group.refs[j]()  # type: ignore[index]
                 if member is not t:
@@ -231,17 +317,35 @@ def plan_segments(tensors: list[Any], op: PickleOp | None, cls: type[PackedTenso
     needs: dict[int, tuple[weakref.ref[Group], frozenset[int] | None]] = {
         id(groups[k]): (groups[k].ref, frozenset(s)) for k, s in slots.items()
     }
+    return _own_plan(cls, own_members, op, own_slot, groups, others, codes, pos, needs)
+
+
+def _own_plan(
+    cls: type[PackedTensor],
+    own_members: list[torch.Tensor],
+    op: PickleOp | None,
+    own_slot: int,
+    groups: list[Any],
+    others: list[Any],
+    codes: Any,
+    pos: Any,
+    needs: dict[int, tuple[weakref.ref[Group], frozenset[int] | None]],
+    dtype: torch.dtype | None = None,
+) -> Plan:
+    """The plan, once the value's own new tensors (``own_members``, slot ``own_slot`` of
+    ``groups``) are known: they become a group that joins ``op`` (a new one if ``None``)."""
+    shares = len(needs) > 0
     own = None
     fresh = False
     if own_members:
         if op is None:
             op = PickleOp()
             fresh = True
-        own = groups[own_slot] = Group(op, own_members, cls)
+        own = groups[own_slot] = Group(op, own_members, cls, dtype)
         op.add(own)
         needs[id(own)] = (own.ref, None)
     segments = (SEGMENTS_FORMAT, i64_bytes(codes), i64_bytes(pos), groups, others)
-    return Plan(cls, segments, own, op, needs, bool(slots), fresh)
+    return Plan(cls, segments, own, op, needs, shares, fresh)
 
 
 def _dead() -> None:
@@ -316,6 +420,10 @@ def encode_group(members: list[torch.Tensor | None], protocol: int) -> Any:
     """The group state of ``members``; a ``None`` member is written as an empty 1-d tensor (a
     placeholder that no value of the payload references)."""
     n = len(members)
+    if n and type(None) not in map(type, members):
+        kinds = set(map(_DTYPE, members))
+        if len(kinds) == 1:
+            return _encode_one_dtype(members, kinds.pop(), protocol)  # type: ignore[arg-type]
     dtypes = [0] * n
     ranks = [0] * n
     dims: list[int] = []
@@ -344,3 +452,29 @@ def encode_group(members: list[torch.Tensor | None], protocol: int) -> Any:
         buf: Any = pickle.PickleBuffer(arr) if protocol >= 5 else arr.tobytes()
         buffers.append((BUFFER_DTYPES[dtype], buf))
     return (GROUP_FORMAT, i64_bytes(dtypes), i64_bytes(ranks), i64_bytes(dims), buffers)
+
+
+def _encode_one_dtype(members: list[torch.Tensor], dtype: torch.dtype, protocol: int) -> Any:
+    """``encode_group`` for members of one dtype, none missing (the usual group)."""
+    shapes = list(map(_SHAPE, members))
+    ranks = list(map(len, shapes))
+    dims = list(itertools.chain.from_iterable(shapes))
+    flat = _cat_leading(members) if 0 not in ranks else None
+    if flat is None:
+        flat = _flatten_dense_tensors(members)
+    arr: Any = flat.reshape(-1).view(torch.uint8).numpy()
+    buf: Any = pickle.PickleBuffer(arr) if protocol >= 5 else arr.tobytes()
+    zeros = np.zeros(len(members), dtype="<i8").tobytes()
+    return (GROUP_FORMAT, zeros, i64_bytes(ranks), i64_bytes(dims), [(BUFFER_DTYPES[dtype], buf)])
+
+
+def _cat_leading(members: list[torch.Tensor]) -> torch.Tensor | None:
+    """The members' bytes back to back, when they differ only in their leading size: one
+    ``torch.cat`` along it, without a flat view of each (``None`` when cat refuses the shapes
+    or lays its result out otherwise). Where cat joins, its contiguous result holds exactly
+    the members' bytes in order: the 1-d empty tensors it also accepts add none."""
+    try:
+        flat = torch.cat(members)
+    except RuntimeError:
+        return None
+    return flat if flat.is_contiguous() else None
