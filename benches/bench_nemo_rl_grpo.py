@@ -563,6 +563,16 @@ def child(args: argparse.Namespace) -> None:
         else:
             mode = mmpack_nemo_rl.install()
         assert mode == "patched", mode
+        from mmpack.packed import ray_store
+
+        counters = ray_store.store_counters()
+        global STORE_METER
+        # put-once media chunks; the shards' own (in-band) bytes are the payload column
+        STORE_METER = lambda: {  # noqa: E731
+            "written": counters.put_bytes,
+            "read": counters.get_bytes,
+            "between_nodes": 0,
+        }
     import torch
 
     torch.set_num_threads(args.threads)
@@ -584,8 +594,13 @@ def child(args: argparse.Namespace) -> None:
         )
     )
     if args.verify:
+        if STORE_METER is not None:
+            from mmpack.packed import ray_store
+
+            ray_store.store_counters().reset()
         checked = one_pass(fingerprint=True)
         result["digests"], result["payload_bytes"] = checked["digests"], checked["payload_bytes"]
+        result["store"] = checked["store"]
     result["peak_rss_bytes"] = _peak_rss()
     result["memcpy_bytes_per_s"] = memcpy_bandwidth()
     Path(args.result).write_text(json.dumps(result))
@@ -740,7 +755,8 @@ def _print_memory_and_floor(results: dict[str, Any], modes: list[str]) -> None:
             print(f"object store, {m}: n/a (no store meter; bytes between nodes: n/a)")
         else:
             print(
-                f"object store, {m}: written {store['written']:,} B, read {store['read']:,} B, "
+                f"object store, {m}: media chunks written {store['written']:,} B, read "
+                f"{store['read']:,} B, "
                 f"between nodes {store.get('between_nodes', 0):,} B"
             )
 
