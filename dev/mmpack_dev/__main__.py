@@ -1,4 +1,4 @@
-"""``python -m mmpack_dev demo [train|sft|rl] [OPTIONS]``: the main job (see ``mmpack_dev.demos``)."""
+"""``python -m mmpack_dev demo [train|sft|rl] [OPTIONS]``: the demos (see ``mmpack_dev.demos``)."""
 
 from __future__ import annotations
 

@@ -254,8 +254,9 @@ def write_synthetic_dataset(
     than `capacity`). ``all_fates="broken"`` / ``"skip"`` makes every sample so.
 
     Each conversation has 1 to `max_exchanges` user/assistant exchanges (after an optional
-    system turn). With `video_every` / `audio_every`, one good sample of the generic format in that many
-    also opens its first user turn with a short MP4 clip / WAV clip (``<video>`` / ``<audio>``).
+    system turn). With `video_every` / `audio_every`, one good sample of the generic format in
+    that many also opens its first user turn with a short MP4 clip / WAV clip (``<video>`` /
+    ``<audio>``).
     """
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
@@ -351,7 +352,7 @@ def _clips(fate: str, counter: int, video_every: int, audio_every: int) -> tuple
     clips = []
     if video_every and counter % video_every == video_every // 4:
         clips.append("video")
-    if audio_every and counter % audio_every == (3 * audio_every) // 4:
+    if audio_every and counter % audio_every == audio_every // 3:
         clips.append("audio")
     return tuple(clips)
 

@@ -10,14 +10,15 @@ each sample's own 3-D rope index. Padded rows get ``attention_mask`` and ``mm_to
 and the model computes their rope index itself.
 
 The loss head runs on every position the model ran on (padding included, as a trainer that
-feeds the model a fixed shape pays for it). It is a fused linear cross-entropy (`LinearCrossEntropy`):
-chunk by chunk, the logits, their softmax and the gradients of the hidden states and of the
-output embedding are computed in one reused buffer, so the ``[positions, 151936]`` logits never
-exist at once and nothing is recomputed in the backward pass.
+feeds the model a fixed shape pays for it). It is a fused linear cross-entropy
+(`LinearCrossEntropy`): chunk by chunk, the logits, their softmax and the gradients of the
+hidden states and of the output embedding are computed in one reused buffer, so the
+``[positions, 151936]`` logits never exist at once and nothing is recomputed in backward.
 """
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -142,11 +143,11 @@ def _sample_grids(
     order: an item of grid ``(t, h, w)`` takes ``t*h*w / merge**2`` placeholder tokens."""
     if grids is None:
         return [None] * (len(cu) - 1)
-    merge = model.config.vision_config.spatial_merge_size ** 2
+    merge = model.config.vision_config.spatial_merge_size**2
     per_item = (grids.prod(-1) // merge).tolist()
     out: list[torch.Tensor | None] = []
     item = 0
-    for a, b in zip(cu[:-1], cu[1:], strict=True):
+    for a, b in itertools.pairwise(cu):
         n = int((ids[a:b] == token_id).sum())
         first = item
         while n > 0:

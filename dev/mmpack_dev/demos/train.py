@@ -124,17 +124,21 @@ class ModeRun:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mmpack_dev demo", description=__doc__.splitlines()[0])
     p.add_argument("--samples", type=int, default=160, help="conversations (default 160)")
-    p.add_argument("--steps", type=int, default=8, help="optimizer steps per run (default 8)")
+    p.add_argument("--steps", type=int, default=6, help="optimizer steps per run (default 6)")
     p.add_argument("--capacity", type=int, default=320, help="tokens per pack (default 320)")
     p.add_argument("--packs-per-step", type=int, default=2, help="packs per micro-batch (2)")
     p.add_argument("--buffer", type=int, default=32, help="packing buffer size (default 32)")
     p.add_argument("--workers", type=int, default=2, help="Energon loader workers (default 2)")
+    p.add_argument("--words", type=float, default=6, help="mean words per turn (default 6)")
+    p.add_argument(
+        "--exchanges", type=int, default=4, help="user/assistant exchanges: 1 to N (default 4)"
+    )
     p.add_argument(
         "--mask-modes",
         default="roles,precomputed",
         help="comma-separated mask modes to run: roles, precomputed (default both)",
     )
-    p.add_argument("--hidden", type=int, default=32, help="model width (default 32)")
+    p.add_argument("--hidden", type=int, default=16, help="model width (default 16)")
     p.add_argument("--layers", type=int, default=1, help="decoder layers (default 1)")
     p.add_argument("--lr", type=float, default=2e-3, help="AdamW learning rate (default 2e-3)")
     p.add_argument(
@@ -183,13 +187,14 @@ def write_dataset(root: Path, args: argparse.Namespace, log: Any) -> Any:
             seed=args.seed,
             capacity=args.capacity,
             shards_per_format=2,
-            mean_words=6,
+            mean_words=args.words,
             image_fraction=0.4,
             broken_every=40,
             skip_every=30,
             video_every=25,
             audio_every=40,
-            max_exchanges=5,
+            max_exchanges=args.exchanges,
+            media_pool=4,  # store images shared by several samples: dedup within a pack
         )
 
 
@@ -238,7 +243,9 @@ def make_encoder(mode: str, args: argparse.Namespace) -> Any:
     config = PackingEncoderConfig(
         capacity=args.capacity,
         packing_buffer_size=args.buffer,
-        algorithm="first_fit_decreasing",
+        # shuffled first fit: a pack (and so the padded rows of a step) mixes long and short
+        # samples, as a shuffled loader's batches do
+        algorithm="first_fit_shuffle",
         batch_size=args.packs_per_step,
         loss_mask_mode=MASK_MODES[mode],
         modalities=("image", "video"),
@@ -566,11 +573,13 @@ def main(argv: list[str]) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     torch.use_deterministic_algorithms(True)
     work = _work_dir(args.out)
+    started = time.perf_counter()
     log_path = work / "loader.log"
     with _quiet_loader(log_path) as log:
         t0 = time.perf_counter()
         ds = write_dataset(work / "dataset", args, log)
-        _describe(ds, time.perf_counter() - t0)
+        dataset_s = time.perf_counter() - t0
+        _describe(ds, dataset_s)
         runs = [run_mode(ds, mode, args, log) for mode in modes]
 
     print()
@@ -609,6 +618,12 @@ def main(argv: list[str]) -> int:
         plot(png, runs)
         print(f"plot: {png}")
     print(f"loader log (per-sample errors): {log_path}")
+    loader_s = sum(r.loader_seconds for r in runs)
+    train_s = sum(r.packed.seconds + r.padded.seconds for r in runs)
+    print(
+        f"wall time: dataset {dataset_s:.0f} s, loader {loader_s:.0f} s, training steps "
+        f"{train_s:.0f} s; whole run {time.perf_counter() - started:.0f} s"
+    )
     if args.json:
         summary = {
             "ok": ok,
