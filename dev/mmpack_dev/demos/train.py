@@ -505,6 +505,7 @@ def plot(path: Path, runs: list[ModeRun]) -> None:
     rates = [t.tokens_per_s for r in runs for t in (r.packed, r.padded)]
     fills = [100 * t.fill for r in runs for t in (r.packed, r.padded)]
     axes[1].bar(labels, rates, color=colors)
+    axes[1].tick_params(axis="x", labelsize=8)
     for i, (rate, fill) in enumerate(zip(rates, fills, strict=True)):
         axes[1].text(i, rate, f"{rate:,.0f}\nfill {fill:.0f} %", ha="center", va="bottom")
     axes[1].set_ylabel("training tokens / s (real tokens)")
@@ -519,7 +520,8 @@ def plot(path: Path, runs: list[ModeRun]) -> None:
     axes[2].invert_yaxis()
     axes[2].set_xscale("log")
     axes[2].set_xlabel("samples (log scale)")
-    axes[2].set_title(f"Sample accounting ({run.mode}): {sum(parts.values())} in")
+    axes[2].set_title(f"Accounting ({run.mode}): {sum(parts.values())} in")
+    axes[2].tick_params(axis="y", labelsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
