@@ -55,6 +55,8 @@ class Step:
     trained: int  # predictions in the loss
     loss: float = float("nan")
     seconds: float = 0.0
+    #: CPU seconds of the step (every thread): steadier than wall time on a shared machine
+    cpu_seconds: float = 0.0
 
 
 @dataclasses.dataclass
@@ -75,6 +77,11 @@ class Training:
     @property
     def samples_per_s(self) -> float:
         return sum(s.samples for s in self.steps) / self.seconds if self.seconds else 0.0
+
+    @property
+    def tokens_per_cpu_s(self) -> float:
+        cpu = sum(s.cpu_seconds for s in self.steps)
+        return sum(s.tokens for s in self.steps) / cpu if cpu else 0.0
 
     @property
     def fill(self) -> float:
@@ -337,7 +344,7 @@ def train(
     run = Training(layout)
     bar = _bar(args, total=len(steps), desc=f"train   {label:<12}", unit="step")
     for micro, rows in steps:
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         optimizer.zero_grad(set_to_none=True)
         if layout == "packed":
             loss_sum, count = packed_loss_sum(model, micro)
@@ -348,7 +355,7 @@ def train(
         loss = loss_sum / count
         loss.backward()
         optimizer.step()
-        seconds = time.perf_counter() - start
+        seconds, cpu = time.perf_counter() - start, time.process_time() - cpu_start
         run.steps.append(
             Step(
                 samples=len(micro),
@@ -357,6 +364,7 @@ def train(
                 trained=count,
                 loss=float(loss.detach()),
                 seconds=seconds,
+                cpu_seconds=cpu,
             )
         )
         bar.update(1)
@@ -444,6 +452,10 @@ def accounting(ds: Any, run: ModeRun) -> tuple[bool, str]:
     return ok, line
 
 
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}x" if b else "-"
+
+
 def _us(ns: float, n: int) -> str:
     return f"{ns / 1e3 / n:.1f}" if n else "-"
 
@@ -451,16 +463,18 @@ def _us(ns: float, n: int) -> str:
 def report_table(runs: list[ModeRun], args: argparse.Namespace) -> str:
     head = (
         "| mask mode | layout | steps | samples | token fill | train tokens/s | train samples/s "
-        "| speed-up | final loss | max |packed - padded| |"
+        "| tokens/CPU-s | speed-up (CPU) | final loss | max |packed - padded| |"
     )
-    out = [head, "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    out = [head, "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for run in runs:
         for t in (run.packed, run.padded):
-            speedup = run.packed.tokens_per_s / run.padded.tokens_per_s if t is run.packed else 1
+            base = run.padded.tokens_per_cpu_s
+            speedup = run.packed.tokens_per_cpu_s / base if t is run.packed and base else 1
             out.append(
                 f"| {run.mode} | {t.layout} | {len(t.steps)} | {sum(s.samples for s in t.steps)}"
                 f" | {100 * t.fill:.1f} % | {t.tokens_per_s:,.0f} | {t.samples_per_s:,.1f} | "
-                f"{speedup:.2f}x | {t.losses[-1]:.6f} | {run.max_loss_diff:.1e} |"
+                f"{t.tokens_per_cpu_s:,.0f} | {speedup:.2f}x | {t.losses[-1]:.6f} | "
+                f"{run.max_loss_diff:.1e} |"
             )
     return "\n".join(out)
 
@@ -602,8 +616,9 @@ def main(argv: list[str]) -> int:
         print(
             f"{run.mode}: loss packed == padded on every step: {'yes' if agree else 'NO'} "
             f"(max |diff| {run.max_loss_diff:.2e}, tolerance {args.tolerance:.0e}); packed "
-            f"{run.packed.tokens_per_s / run.padded.tokens_per_s:.2f}x the padded tokens/s at "
-            f"token fill {100 * run.packed.fill:.1f} % vs {100 * run.padded.fill:.1f} %"
+            f"{_ratio(run.packed.tokens_per_s, run.padded.tokens_per_s)} the padded tokens/s, "
+            f"{_ratio(run.packed.tokens_per_cpu_s, run.padded.tokens_per_cpu_s)} per CPU-second, "
+            f"at token fill {100 * run.packed.fill:.1f} % vs {100 * run.padded.fill:.1f} %"
         )
     for run in runs:
         balanced, line = accounting(ds, run)
@@ -643,6 +658,7 @@ def main(argv: list[str]) -> int:
                             "tokens_per_s": t.tokens_per_s,
                             "samples_per_s": t.samples_per_s,
                             "token_fill": t.fill,
+                            "tokens_per_cpu_s": t.tokens_per_cpu_s,
                         }
                         for t in (r.packed, r.padded)
                     },
