@@ -65,13 +65,18 @@ lint: venv
 .PHONY: test
 test: test-rust test-python lint  ## everything CI runs
 
-# The demo is development code (dev/mmpack_dev, never in the wheel). It runs side by side with the
-# test suite's plain-Python references (tests/reference), which the package never ships nor
-# imports: they come in through --compare-with.
-DEMO_COMPARE ?= reference.energon:ReferencePackingTaskEncoder
+# The demo is development code (dev/mmpack_dev, never in the wheel). The main job trains a tiny
+# Qwen2-VL on packed and on padded batches of the same samples from the real Energon loader.
 .PHONY: demo
 demo: build-release  ## the main job
-	PYTHONPATH=dev:tests$${PYTHONPATH:+:$$PYTHONPATH} $(PY) -m mmpack_dev demo --compare-with $(DEMO_COMPARE)
+	PYTHONPATH=dev:tests$${PYTHONPATH:+:$$PYTHONPATH} $(PY) -m mmpack_dev demo
+
+# The quick loader-only comparison, side by side with the test suite's plain-Python references
+# (tests/reference), which the package never ships nor imports: they come in through --compare-with.
+DEMO_COMPARE ?= reference.energon:ReferencePackingTaskEncoder
+.PHONY: demo-toy
+demo-toy: build-release  ## packing vs no packing on the loader alone, and the plain-Python reference
+	PYTHONPATH=dev:tests$${PYTHONPATH:+:$$PYTHONPATH} $(PY) -m mmpack_dev demo --toy --compare-with $(DEMO_COMPARE)
 
 .PHONY: bench
 bench: build-release  ## every benchmark, side by side with the plain-Python references

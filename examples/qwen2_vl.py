@@ -22,6 +22,7 @@ from mmpack.energon import PackingEncoderConfig, PackingTaskEncoder
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dev"))  # the synthetic data writer
+from mmpack_dev.synthetic import mp4_bytes as video_bytes
 from mmpack_dev.synthetic import png_bytes
 from common import generic_sample, load_packs, next_token_loss, report, summarize, word_tokenizer
 
@@ -149,27 +150,6 @@ def write_samples(root: Path, *, video: bool) -> Path:
     from common import write_dataset
 
     return write_dataset(root / "qwen2vl", samples)
-
-
-def video_bytes(frames: int, width: int, height: int, *, seed: int = 0) -> bytes:
-    """An MP4 (MPEG-4 part 2) clip of `frames` frames, written with PyAV."""
-    import io
-
-    import av
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    buf = io.BytesIO()
-    with av.open(buf, "w", format="mp4") as out:
-        stream = out.add_stream("mpeg4", rate=4)
-        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-        for _ in range(frames):
-            pixels = rng.integers(0, 256, size=(height, width, 3), dtype=np.uint8)
-            for packet in stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")):
-                out.mux(packet)
-        for packet in stream.encode():
-            out.mux(packet)
-    return buf.getvalue()
 
 
 def _positions(model: Any, ids: torch.Tensor, image_grid: Any, video_grid: Any) -> torch.Tensor:

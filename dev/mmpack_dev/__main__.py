@@ -1,4 +1,4 @@
-"""``python -m mmpack_dev demo [sft|rl] [OPTIONS]``: the main job (see ``mmpack_dev.demos``)."""
+"""``python -m mmpack_dev demo [train|sft|rl] [OPTIONS]``: the demos (see ``mmpack_dev.demos``)."""
 
 from __future__ import annotations
 
@@ -6,10 +6,13 @@ import sys
 
 from mmpack_dev.demos import main
 
-USAGE = """usage: python -m mmpack_dev demo [sft|rl] [OPTIONS]
+USAGE = """usage: python -m mmpack_dev demo [train|sft|rl] [OPTIONS]
 
-  demo sft   packed multimodal SFT on the real Energon loader (the default; `demo sft -h`)
-  demo rl    the GRPO media path: G-expansion, DP sharding, pickling (`demo rl -h`)"""
+  demo train   a tiny Qwen2-VL trained on packed and on padded batches of the same samples
+               from the real Energon loader (the default; `demo train -h`)
+  demo --toy   the quick loader-only comparison: packing vs no packing, --compare-with
+               another implementation (same as `demo sft`; `demo sft -h`)
+  demo rl      the GRPO media path: G-expansion, DP sharding, pickling (`demo rl -h`)"""
 
 
 def run(argv: list[str]) -> int:

@@ -6,7 +6,7 @@ Used by `make demo` and the tests. Every sample's fate is known in advance (`exp
 
 The building blocks are public for datasets made to measure: `write_webdataset` (samples given
 as parts, written as shards and prepared), `write_metadataset` (a blend of prepared datasets,
-with subflavors and media stores), `png_bytes` and `wav_bytes` (real media files).
+with subflavors and media stores), `png_bytes`, `mp4_bytes` and `wav_bytes` (real media files).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import numpy as np
 __all__ = [
     "SyntheticDataset",
     "build_tokenizer",
+    "mp4_bytes",
     "png_bytes",
     "wav_bytes",
     "write_metadataset",
@@ -77,6 +78,8 @@ class SyntheticDataset:
     expected: dict[str, str]
     formats: tuple[str, ...]
     media_store_items: int
+    #: sample key -> the kinds of media it holds ("image", "video", "audio"), for samples with any
+    media_kinds: dict[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
 
     @property
     def num_samples(self) -> int:
@@ -99,6 +102,25 @@ def _png(rng: np.random.Generator, width: int, height: int) -> bytes:
 def png_bytes(width: int, height: int, *, seed: int = 0) -> bytes:
     """A PNG of `width` x `height` pixels whose content depends on `seed`."""
     return _png(np.random.default_rng(seed), width, height)
+
+
+def mp4_bytes(frames: int, width: int, height: int, *, seed: int = 0) -> bytes:
+    """An MP4 (MPEG-4 part 2) clip of `frames` frames of `width` x `height` noise, written with
+    PyAV, whose content depends on `seed`."""
+    import av
+
+    rng = np.random.default_rng(seed)
+    buf = io.BytesIO()
+    with av.open(buf, "w", format="mp4") as out:
+        stream = out.add_stream("mpeg4", rate=4)
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+        for _ in range(frames):
+            pixels = rng.integers(0, 256, size=(height, width, 3), dtype=np.uint8)
+            for packet in stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")):
+                out.mux(packet)
+        for packet in stream.encode():
+            out.mux(packet)
+    return buf.getvalue()
 
 
 def wav_bytes(seconds: float, rate: int = 16000, *, freq: float = 440.0) -> bytes:
@@ -219,6 +241,9 @@ def write_synthetic_dataset(
     capacity: int = 2048,
     media_pool: int = 12,
     all_fates: str | None = None,
+    video_every: int = 0,
+    audio_every: int = 0,
+    max_exchanges: int = 3,
 ) -> SyntheticDataset:
     """Write ``num_samples`` conversations (split over `formats`) under `root`, prepare them with
     Energon and write ``root/metadataset.yaml`` (a ``blend_epochized`` of the formats, one
@@ -227,6 +252,11 @@ def write_synthetic_dataset(
     One sample in `broken_every` is broken (bad JSON, a corrupt image, a missing media key),
     one in `skip_every` is skippable by policy (ends on a user turn, nothing trainable, longer
     than `capacity`). ``all_fates="broken"`` / ``"skip"`` makes every sample so.
+
+    Each conversation has 1 to `max_exchanges` user/assistant exchanges (after an optional
+    system turn). With `video_every` / `audio_every`, one good sample of the generic format in
+    that many also opens its first user turn with a short MP4 clip / WAV clip (``<video>`` /
+    ``<audio>``).
     """
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
@@ -249,6 +279,7 @@ def write_synthetic_dataset(
     per_format[0] += num_samples - sum(per_format)
     counter = 0
     fate_counts: dict[str, int] = {}
+    media_kinds: dict[str, tuple[str, ...]] = {}
     for fmt, count in zip(formats, per_format, strict=True):
         fdir = root / fmt
         fdir.mkdir(exist_ok=True)
@@ -266,11 +297,20 @@ def write_synthetic_dataset(
                     variant = fate_counts.get(fate, 0)
                     fate_counts[fate] = variant + 1
                     if fmt == "generic":
-                        files, outcome = _generic_sample(
-                            rng, key, fate, image_fraction, mean_words, capacity, variant
+                        clips = _clips(fate, counter - 1, video_every, audio_every)
+                        files, outcome, kinds = _generic_sample(
+                            rng,
+                            key,
+                            fate,
+                            image_fraction,
+                            mean_words,
+                            capacity,
+                            variant,
+                            clips,
+                            max_exchanges,
                         )
                     else:
-                        files, outcome = _fragments_sample(
+                        files, outcome, kinds = _fragments_sample(
                             rng,
                             key,
                             fate,
@@ -279,8 +319,11 @@ def write_synthetic_dataset(
                             capacity,
                             pool_sizes,
                             variant,
+                            max_exchanges,
                         )
                     expected[key] = outcome
+                    if kinds:
+                        media_kinds[key] = kinds
                     for suffix, data in files:
                         _put(tar, f"{key}.{suffix}", data)
         _prepare(fdir, shard_names)
@@ -296,14 +339,31 @@ def write_synthetic_dataset(
             for fmt in formats
         ],
     )
-    return SyntheticDataset(root, metadataset, expected, formats, len(pool_sizes))
+    return SyntheticDataset(
+        root, metadataset, expected, formats, len(pool_sizes), media_kinds=media_kinds
+    )
 
 
-def _turn_plan(rng: np.random.Generator, mean_words: float) -> list[tuple[str, int]]:
+def _clips(fate: str, counter: int, video_every: int, audio_every: int) -> tuple[str, ...]:
+    """The clip kinds a generic sample opens with (good samples only, so a broken sample's
+    first manifest entry stays the image it corrupts)."""
+    if fate != "ok":
+        return ()
+    clips = []
+    if video_every and counter % video_every == video_every // 4:
+        clips.append("video")
+    if audio_every and counter % audio_every == audio_every // 3:
+        clips.append("audio")
+    return tuple(clips)
+
+
+def _turn_plan(
+    rng: np.random.Generator, mean_words: float, max_exchanges: int = 3
+) -> list[tuple[str, int]]:
     plan: list[tuple[str, int]] = []
     if rng.random() < 0.3:
         plan.append(("system", _n_words(rng, mean_words / 3)))
-    for _ in range(int(rng.integers(1, 4))):
+    for _ in range(int(rng.integers(1, max_exchanges + 1))):
         plan.append(("user", _n_words(rng, mean_words)))
         plan.append(("assistant", _n_words(rng, mean_words)))
     return plan
@@ -321,8 +381,10 @@ def _generic_sample(
     mean_words: float,
     capacity: int,
     counter: int,
-) -> tuple[list[tuple[str, bytes]], str]:
-    plan = _turn_plan(rng, mean_words)
+    clips: tuple[str, ...] = (),
+    max_exchanges: int = 3,
+) -> tuple[list[tuple[str, bytes]], str, tuple[str, ...]]:
+    plan = _turn_plan(rng, mean_words, max_exchanges)
     outcome = "ok"
     if fate == "skip":
         reason = _skip_kind(counter)
@@ -346,6 +408,10 @@ def _generic_sample(
                 manifest.append({"name": f"img{j}.png", "kind": "image", "width": w, "height": h})
                 files.append((f"img{j}.png", _png(rng, w, h)))
             n_images = 0
+        if role == "user" and clips and m <= 1:
+            content = "".join(f"<{kind}> " for kind in clips) + content
+            manifest[:0] = [_clip(kind, counter, files) for kind in clips]
+            clips = ()
         messages.append({"role": role, "content": content})
     if manifest and rng.random() < 0.5:
         # an extra manifest entry no placeholder uses: must never be decoded
@@ -360,7 +426,18 @@ def _generic_sample(
             body = body[: len(body) // 2]
             outcome = "broken:json"
     files.insert(0, ("json", body))
-    return files, outcome
+    kinds = tuple(dict.fromkeys(e["kind"] for e in manifest if e["name"] != "unused.png"))
+    return files, outcome, kinds
+
+
+def _clip(kind: str, counter: int, files: list[tuple[str, bytes]]) -> dict[str, Any]:
+    """A clip of `kind` (seeded by `counter`, drawing nothing from the dataset's generator):
+    appended to `files`, its manifest entry returned."""
+    if kind == "video":
+        files.append(("clip.mp4", mp4_bytes(4, 64, 48, seed=counter)))
+        return {"name": "clip.mp4", "kind": "video"}
+    files.append(("clip.wav", wav_bytes(0.5, freq=220.0 + 10 * (counter % 20))))
+    return {"name": "clip.wav", "kind": "audio", "duration": 0.5}
 
 
 def _fragments_sample(
@@ -372,8 +449,9 @@ def _fragments_sample(
     capacity: int,
     pool_sizes: list[tuple[int, int]],
     counter: int,
-) -> tuple[list[tuple[str, bytes]], str]:
-    plan = _turn_plan(rng, mean_words)
+    max_exchanges: int = 3,
+) -> tuple[list[tuple[str, bytes]], str, tuple[str, ...]]:
+    plan = _turn_plan(rng, mean_words, max_exchanges)
     outcome = "ok"
     reason = ""
     if fate == "skip":
@@ -416,4 +494,5 @@ def _fragments_sample(
         else:
             body = b"{" + body
             outcome = "broken:json"
-    return [("json", body)], outcome
+    kinds = ("image",) if any("media" in f for t in conversation for f in t["fragments"]) else ()
+    return [("json", body)], outcome, kinds

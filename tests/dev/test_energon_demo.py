@@ -1,4 +1,5 @@
-"""Smoke tests of the main job (`make demo`) and its benchmark script (no timing assertions)."""
+"""Smoke tests of the loader-only comparison (`make demo-toy`) and its benchmark script (no timing
+assertions)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,6 @@ from typing import Any
 import numpy as np
 import pytest
 from mmpack.energon import PackingTaskEncoder
-from mmpack_dev.demos import DEFAULT_PIPELINE
 from mmpack_dev.demos import sft as demo
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -31,10 +31,6 @@ class OnePerPackEncoder(PackingTaskEncoder):
     def plan_packs(self, lengths: np.ndarray, media: np.ndarray | None, *, seed: int) -> Any:
         n = len(lengths)
         return types.SimpleNamespace(bin_offsets=np.arange(n + 1), item_indices=np.arange(n))
-
-
-def test_demo_default_pipeline_is_sft() -> None:
-    assert DEFAULT_PIPELINE == "sft"
 
 
 def test_demo_runs_and_reports(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

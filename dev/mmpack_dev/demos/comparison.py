@@ -1,6 +1,6 @@
 """The demos' ``--compare-with MODULE:ATTR`` option: an implementation to run side by side with
 mmpack's, imported from outside the package (for example the plain-Python references of the
-test suite: ``PYTHONPATH=tests mmpack_dev demo --compare-with
+test suite: ``PYTHONPATH=tests mmpack_dev demo --toy --compare-with
 reference.energon:ReferencePackingTaskEncoder``)."""
 
 from __future__ import annotations
