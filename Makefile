@@ -68,7 +68,7 @@ test: test-rust test-python lint  ## everything CI runs
 # The demo is development code (dev/mmpack_dev, never in the wheel). The main job trains a tiny
 # Qwen2-VL on packed and on padded batches of the same samples from the real Energon loader.
 .PHONY: demo
-demo: build-release  ## the main job
+demo: build  ## the main job
 	PYTHONPATH=dev:tests$${PYTHONPATH:+:$$PYTHONPATH} $(PY) -m mmpack_dev demo
 
 # The quick loader-only comparison, side by side with the test suite's plain-Python references
