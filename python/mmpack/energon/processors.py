@@ -24,8 +24,10 @@ What it reads from the processor (nothing is configured twice):
 
 The processor gets what transformers' documented loading hands it (`ModelProcessor.decode`):
 an image as ``PIL.Image.open`` gives it, unconverted, so its own RGB conversion decides how
-transparency and other modes become pixels; a video's frames with their metadata (frame rate,
-frame indices), so time-dependent outputs are the ones ``load_video`` would give.
+transparency and other modes become pixels, turned upright by its EXIF orientation as
+``load_image`` turns it (``ImageOps.exif_transpose``; token counts use the upright size); a
+video's frames with their metadata (frame rate, frame indices), so time-dependent outputs are
+the ones ``load_video`` would give.
 
 `ModelProcessor` is a `MediaDecoder`: the loop of `mmpack.energon.decoders.decode_media` makes
 each output key one `PackedTensor` row per sample; every key of one media item carries the
@@ -44,7 +46,7 @@ import numpy as np
 
 from mmpack.energon.chat_template import TemplateMedia
 from mmpack.energon.decoders import DecodedMedia
-from mmpack.energon.media import MEDIA_LOG, MediaHandle, decode_waveform
+from mmpack.energon.media import MEDIA_LOG, MediaHandle, decode_waveform, upright_image
 from mmpack.errors import MediaTokenCountError, ModalityConfigError, SampleFormatError
 
 __all__ = [
@@ -495,8 +497,9 @@ class ModelProcessor:
 
     def decode(self, handle: MediaHandle) -> Any:
         """The processor's input for `handle`, as transformers' documented loading gives it:
-        the ``PIL.Image`` as opened (its own mode: the processor's RGB conversion composites
-        transparency onto white and converts CMYK, palette, grayscale and 16-bit modes); the
+        the ``PIL.Image`` as opened, turned upright by its EXIF orientation (in its own mode:
+        the processor's RGB conversion composites transparency onto white and converts CMYK,
+        palette, grayscale and 16-bit modes); the
         video's frames with their metadata (`VideoFrames`, as ``load_video(...,
         backend="pyav")`` reads them); or the mono waveform at the feature extractor's rate."""
         data = handle.read()
@@ -506,7 +509,7 @@ class ModelProcessor:
 
                 img = Image.open(io.BytesIO(data))
                 img.load()  # the pixels now, while the bytes are at hand
-                return img
+                return upright_image(img)
             if handle.kind == "video":
                 return video_frames(data)
         except Exception as err:
