@@ -14,6 +14,7 @@ import torch
 from mmpack.energon.decoders import BuiltinDecoder
 from mmpack.energon.media import MediaHandle, MediaSettings
 from mmpack.energon.processors import ModelProcessor
+from mmpack.errors import ModalityConfigError
 from PIL import Image, ImageOps
 from support.processors import qwen_vl_processor
 
@@ -99,3 +100,36 @@ def test_the_builtin_patchifier_turns_a_photo_upright_too() -> None:
     arr = np.asarray(upright, dtype=np.uint8).reshape(4, 14, 2, 14, 3).transpose(0, 2, 1, 3, 4)
     expected = arr.reshape(8, 14 * 14 * 3).astype(np.float32) / np.float32(255.0)
     assert np.array_equal(rotated.numpy(), expected)
+
+
+@pytest.mark.parametrize(
+    "videos_kwargs",
+    [{"fps": 2, "do_sample_frames": True}, {"num_frames": 4, "do_sample_frames": True}],
+)
+def test_a_video_processor_that_samples_frames_is_refused_at_construction(
+    videos_kwargs: dict[str, Any],
+) -> None:
+    # the short startup clip hides fps sampling (clamped to min_frames); every real video
+    # would then fail its token count after decoding
+    bridge = ModelProcessor(
+        qwen_vl_processor("qwen2_5_vl"), call_kwargs={"videos_kwargs": videos_kwargs}
+    )
+    with pytest.raises(ModalityConfigError, match=r"Qwen2_5_VLProcessor.*samples frames"):
+        bridge.probe(["video"])
+
+
+def test_a_video_processor_without_frame_sampling_still_starts(qwen: Any) -> None:
+    from support.processors import mp4_bytes
+
+    bridge = ModelProcessor(qwen, call_kwargs={"videos_kwargs": {"fps": 2}})
+    bridge.probe(["video"])
+    item = MediaHandle(
+        kind="video",
+        key="v.mp4",
+        sample_key="s0",
+        source=("test", "v"),
+        data=mp4_bytes(12, 64, 48, fps=6),
+    )
+    out = bridge.process(item)
+    assert sum(1 for t in out.token_ids if t == qwen.video_token_id) == bridge.count(item)
+    assert int(out.values["video_grid_thw"][0, 0]) == 6
