@@ -52,6 +52,8 @@ __all__ = [
     "provenance_of",
     "store_path",
     "store_source",
+    "upright_image",
+    "upright_size",
     "webdataset_source",
 ]
 
@@ -257,7 +259,7 @@ class MediaHandle:
 
         try:
             with self._header() as stream, Image.open(stream) as img:  # parses the header only
-                size = int(img.size[0]), int(img.size[1])
+                size = upright_size(img)
                 self._sizes["image"] = size
                 return size
         except SampleFormatError:
@@ -470,12 +472,39 @@ def _audio_tokens(samples: int, settings: MediaSettings) -> int:
     return max(1, math.ceil(frames / down))
 
 
+#: EXIF orientations that turn the stored image by a quarter turn (width and height swap)
+_QUARTER_TURNS = frozenset({5, 6, 7, 8})
+
+
+def upright_size(img: Any) -> tuple[int, int]:
+    """(width, height) of an opened image as displayed: its EXIF orientation applied, as
+    transformers' ``load_image`` applies it (``ImageOps.exif_transpose``), from the header only.
+    (A PNG's EXIF is read only where it precedes the pixels; one written after them is seen
+    at decode, where the count check reports the swapped size.)"""
+    width, height = int(img.size[0]), int(img.size[1])
+    if img.format == "PNG" and "exif" not in img.info:
+        return width, height  # getexif() would decode the pixels to look past them
+    try:
+        orientation = img.getexif().get(0x0112, 1)
+    except Exception:
+        return width, height  # unreadable EXIF: decoding reports it with the sample's name
+    return (height, width) if orientation in _QUARTER_TURNS else (width, height)
+
+
+def upright_image(img: Any) -> Any:
+    """The opened image with its EXIF orientation applied (``ImageOps.exif_transpose``, as
+    ``load_image`` does), its mode and transparency kept."""
+    from PIL import ImageOps
+
+    return ImageOps.exif_transpose(img)
+
+
 def _image_patches(data: bytes, patch: int, handle: MediaHandle) -> np.ndarray:
     from PIL import Image
 
     try:
         with Image.open(io.BytesIO(data)) as img:
-            rgb = img.convert("RGB")
+            rgb = upright_image(img).convert("RGB")
             gw, gh = _patch_grid(rgb.size[0], patch), _patch_grid(rgb.size[1], patch)
             if (rgb.size[0], rgb.size[1]) != (gw * patch, gh * patch):
                 rgb = rgb.resize((gw * patch, gh * patch))

@@ -24,8 +24,10 @@ What it reads from the processor (nothing is configured twice):
 
 The processor gets what transformers' documented loading hands it (`ModelProcessor.decode`):
 an image as ``PIL.Image.open`` gives it, unconverted, so its own RGB conversion decides how
-transparency and other modes become pixels; a video's frames with their metadata (frame rate,
-frame indices), so time-dependent outputs are the ones ``load_video`` would give.
+transparency and other modes become pixels, turned upright by its EXIF orientation as
+``load_image`` turns it (``ImageOps.exif_transpose``; token counts use the upright size); a
+video's frames with their metadata (frame rate, frame indices), so time-dependent outputs are
+the ones ``load_video`` would give.
 
 `ModelProcessor` is a `MediaDecoder`: the loop of `mmpack.energon.decoders.decode_media` makes
 each output key one `PackedTensor` row per sample; every key of one media item carries the
@@ -44,7 +46,7 @@ import numpy as np
 
 from mmpack.energon.chat_template import TemplateMedia
 from mmpack.energon.decoders import DecodedMedia
-from mmpack.energon.media import MEDIA_LOG, MediaHandle, decode_waveform
+from mmpack.energon.media import MEDIA_LOG, MediaHandle, decode_waveform, upright_image
 from mmpack.errors import MediaTokenCountError, ModalityConfigError, SampleFormatError
 
 __all__ = [
@@ -383,6 +385,8 @@ class ModelProcessor:
             self._expansions[kind] = _Expansion(
                 tuple(ids[: where[0]]), token_id, tuple(ids[where[-1] + 1 :]), tuple(values)
             )
+            if kind == "video":
+                self._check_frame_count(token_id)
             predicted = self.count_for_size(kind, size)
             if predicted != len(where):
                 raise ModalityConfigError(
@@ -407,6 +411,32 @@ class ModelProcessor:
     def padded_keys(self, kind: str) -> tuple[str, ...]:
         """Output keys of `kind` packed zero-padded to the largest item (`PADDED_KEYS`)."""
         return PADDED_KEYS.get(self.name, {}).get(kind, ())
+
+    def _check_frame_count(self, token_id: int) -> None:
+        """Refuse (`ModalityConfigError`) a video processor that keeps another number of frames
+        than the file holds (frame sampling: ``do_sample_frames`` with ``fps`` or
+        ``num_frames``): tokens are counted before decoding from the container's frame count,
+        so every video would fail its count check after decoding. A long probe clip shows it
+        where the short one can hide it (sampling clamped to its ``min_frames``)."""
+        frames, height, width = 48, 40, 60
+        pixels = np.zeros((frames, height, width, 3), dtype=np.uint8)
+        clip = VideoFrames(pixels, _all_frames_metadata(frames, 4.0, width, height))
+        try:
+            ids, _ = self._call("video", clip)
+        except Exception as err:
+            raise ModalityConfigError(
+                f"the processor {self.name} failed on a probe video ({type(err).__name__}: {err})"
+            ) from err
+        real = sum(1 for t in ids if t == token_id)
+        predicted = self.count_for_size("video", (frames, height, width))
+        if predicted != real:
+            raise ModalityConfigError(
+                f"the processor {self.name} gives {real} placeholder tokens for a probe video "
+                f"of {frames} frames, but its count from the frame count is {predicted}: it "
+                "samples frames (do_sample_frames, fps, num_frames in its videos_kwargs), which "
+                "mmpack cannot count before decoding. Sample the frames when writing the "
+                "dataset, or call the processor with do_sample_frames=False"
+            )
 
     def _check_concatenable(self, kind: str, values: Mapping[str, Any]) -> None:
         """Refuse (`ModalityConfigError`) a processor whose rows of one key differ beyond the
@@ -495,8 +525,9 @@ class ModelProcessor:
 
     def decode(self, handle: MediaHandle) -> Any:
         """The processor's input for `handle`, as transformers' documented loading gives it:
-        the ``PIL.Image`` as opened (its own mode: the processor's RGB conversion composites
-        transparency onto white and converts CMYK, palette, grayscale and 16-bit modes); the
+        the ``PIL.Image`` as opened, turned upright by its EXIF orientation (in its own mode:
+        the processor's RGB conversion composites transparency onto white and converts CMYK,
+        palette, grayscale and 16-bit modes); the
         video's frames with their metadata (`VideoFrames`, as ``load_video(...,
         backend="pyav")`` reads them); or the mono waveform at the feature extractor's rate."""
         data = handle.read()
@@ -506,7 +537,7 @@ class ModelProcessor:
 
                 img = Image.open(io.BytesIO(data))
                 img.load()  # the pixels now, while the bytes are at hand
-                return img
+                return upright_image(img)
             if handle.kind == "video":
                 return video_frames(data)
         except Exception as err:
