@@ -229,3 +229,65 @@ def test_a_broken_mmpack_never_breaks_interpreter_start(tmp_path: Path) -> None:
         timeout=60,
     )
     assert got.returncode == 0 and got.stdout.strip() == "started", got.stderr
+
+
+def test_a_received_value_combines_and_hands_out_only_private_tensors() -> None:
+    import ray
+
+    @ray.remote
+    def combine(value: PackedTensor) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        out["concat"] = PackedTensor.concat([value, value.slice([1])]).as_tensor().clone()
+        out["flat"] = PackedTensor.flattened_concat([value, value]).as_tensor().clone()
+        out["merge"] = PackedTensor.merge_segments([value, value]).as_tensor().clone()
+        out["repeat"] = value.repeat_interleave(2).as_tensor().clone()
+        for shard in value.shard(2):
+            for t in shard.tensors:
+                t.fill_(-5)  # private copies (or value's own): the store keeps its bytes
+                torch.from_dlpack(t).fill_(-6)
+        value.as_tensor().fill_(-7)
+        value.slice([0]).to("cpu").as_tensor().fill_(-8)
+        return out
+
+    segs = [torch.arange(6, dtype=torch.int64).reshape(2, 3) + 10 * i for i in range(2)]
+    value = PackedTensor(list(segs), dim_to_pack=0)
+    got = ray.get(combine.remote(value))
+    whole = torch.cat(segs)
+    assert torch.equal(got["concat"], torch.cat([whole, segs[1]]))
+    assert torch.equal(got["flat"], torch.cat([whole, whole]))
+    assert torch.equal(got["merge"], torch.cat([whole, whole]))
+    assert torch.equal(got["repeat"], torch.cat([segs[0], segs[0], segs[1], segs[1]]))
+    reused = ray_store.store_counters().reused_segments
+    assert torch.equal(sent(value), whole)  # the chunk put first, read again: unchanged
+    assert ray_store.store_counters().reused_segments == reused + 2
+
+
+def test_values_made_and_returned_inside_tasks_and_a_threaded_actor() -> None:
+    import ray
+
+    on = {"env_vars": {ray_store.ENV_VAR: "1"}}  # workers of their own: the pool's stay off
+
+    @ray.remote(runtime_env=on)
+    def make(i: int) -> PackedTensor:
+        seg = torch.full((3, 2), float(i))
+        return PackedTensor([seg, seg], dim_to_pack=0)
+
+    @ray.remote(runtime_env=on)
+    def relay(i: int) -> list[PackedTensor]:
+        return ray.get([make.remote(i), make.remote(i + 1)])  # ray.get inside a task, then a put
+
+    @ray.remote(max_concurrency=2, runtime_env=on)
+    class Maker:
+        def make(self, i: int) -> PackedTensor:
+            assert ray_store.enabled()
+            return PackedTensor([torch.full((2, 2), float(i))], dim_to_pack=0)
+
+    got = ray.get(relay.remote(1), timeout=60)
+    assert all(
+        torch.equal(v.as_tensor(), torch.full((6, 2), float(i)))
+        for v, i in zip(got, (1, 2), strict=True)
+    )
+    maker = Maker.remote()
+    made = ray.get([maker.make.remote(i) for i in range(6)], timeout=60)
+    assert all(torch.equal(v.as_tensor(), torch.full((2, 2), float(i))) for i, v in enumerate(made))
+    ray.kill(maker)
