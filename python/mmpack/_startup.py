@@ -1,9 +1,10 @@
 """The interpreter-start hook behind ``MMPACK_INSTALL=1``.
 
 The wheel installs ``mmpack_startup.pth`` into site-packages; Python runs its one line at every
-interpreter start, and it imports this module only when ``MMPACK_INSTALL`` is set (and not
-``0``). Passed on through Ray's ``runtime_env`` (``{"env_vars": {"MMPACK_INSTALL": "1"}}``), the
-variable reaches every worker process Ray starts, before any of NeMo-RL's code runs there.
+interpreter start, and it imports this module only when ``MMPACK_INSTALL`` is set and not one
+of ``0``, ``false``, ``no``, ``off`` (any case). Passed on through Ray's ``runtime_env``
+(``{"env_vars": {"MMPACK_INSTALL": "1"}}``), the variable reaches every worker process Ray
+starts, before any of NeMo-RL's code runs there.
 
 Importing NeMo-RL (and torch) at interpreter start would slow every process down and could find
 NeMo-RL before the worker's ``sys.path`` is complete, so this module only waits: when

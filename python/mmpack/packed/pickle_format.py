@@ -117,13 +117,12 @@ def reduce(value: PackedTensor, group_class: type[PackedTensor]) -> tuple[Any, .
         _refuse_shadowing(type(value), extra, lambda why: _unwritable(value, why))
     dim_to_pack, pad_to_max_shape = _written_fields(value)
     if for_ray:
-        blob = lay.provenance_blob() if lay is not None else None
         state = {
             STATE_KEY: 1,
             "dim_to_pack": dim_to_pack,
             "pad_to_max_shape": pad_to_max_shape,
             "layout": layout_state,
-            "segments": _ray_store.encode_segments(tensors, blob),
+            "segments": _ray_store.encode_segments(tensors),
             "extra": extra,
         }
         THREADS.pending = None  # no group of this value: the pickler's class lookup starts nothing

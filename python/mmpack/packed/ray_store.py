@@ -6,8 +6,13 @@ value that references it carries an ``ObjectRef``; a receiver reads the segments
 on (:func:`enable`, which ``mmpack.compat.nemo_rl.install()`` calls), ``PackedTensor`` pickles its
 plain CPU segments as references. Segments this process has not put yet go into the store as
 one object per pickled value (a *chunk*: the segments' bytes as out-of-band buffers, their
-dtypes and shapes); a process-wide table maps each segment's identity (its provenance id, or the
-tensor object itself without provenance) to ``(chunk ref, member)``. An entry lives exactly as
+dtypes and shapes); a process-wide table maps each segment tensor object to ``(chunk ref,
+member)``. An entry is reused only while the tensor still is what was put: the same storage
+address, shape, strides and dtype, and the same autograd version counter, which every in-place
+torch write bumps (on the tensor, its base or any view of it). Provenance ids never stand in for
+the bytes: two values may share one while their tensors differ. Writes that bypass torch (into a
+``.numpy()`` view or the storage's memory) cannot be seen; tensors without a version counter
+(made under ``torch.inference_mode``) are put each time they are sent. An entry lives exactly as
 long as the segment tensor it was made for (a weak reference), so the table never keeps store
 memory alive: once the values and the shards that reference a chunk are gone, Ray frees it.
 The pickled value holds the chunk refs, so Ray counts them as nested references of whatever
@@ -64,11 +69,14 @@ CHUNK_FORMAT = "mmpack.store-chunk/1"
 #: The environment variable that turns the store path on at import (also read by the startup
 #: hook, ``mmpack._startup``).
 ENV_VAR = "MMPACK_INSTALL"
+#: Values of :data:`ENV_VAR` that leave it off (after ``strip().lower()``; the hook's one line
+#: in ``mmpack_startup.pth`` spells the same set).
+OFF_VALUES = ("", "0", "false", "no", "off")
 _DTYPES = {name: dtype for dtype, name in BUFFER_DTYPES.items()}
 
 
 def _env_on() -> bool:
-    return os.environ.get(ENV_VAR, "").strip() not in ("", "0")
+    return os.environ.get(ENV_VAR, "").strip().lower() not in OFF_VALUES
 
 
 class _State:
@@ -243,19 +251,28 @@ def private_copies(segments: list[Any]) -> list[Any]:
 # writing
 
 
-class _Entry:
-    __slots__ = ("dtype", "j", "ref", "shape", "wref")
+def _signature(t: torch.Tensor) -> tuple[Any, ...] | None:
+    """What must not change for a put segment to be reused: where its bytes are, how they are
+    laid out, and its version counter; ``None`` for a tensor without a version counter."""
+    if t.is_inference():
+        return None
+    return (t._version, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
 
-    def __init__(self, ref: Any, j: int, t: torch.Tensor, wref: weakref.ref[torch.Tensor]) -> None:
+
+class _Entry:
+    __slots__ = ("j", "ref", "signature", "wref")
+
+    def __init__(
+        self, ref: Any, j: int, signature: tuple[Any, ...], wref: weakref.ref[torch.Tensor]
+    ) -> None:
         self.ref = ref
         self.j = j
-        self.dtype = t.dtype
-        self.shape = tuple(t.shape)
+        self.signature = signature
         self.wref = wref
 
 
-# segment identity -> where it is in the store; entries leave with their tensor
-_PUT: dict[Any, _Entry] = {}
+# id of a segment tensor -> where it is in the store; entries leave with their tensor
+_PUT: dict[int, _Entry] = {}
 # chunks this process read, by object id: a second value referencing one maps no new bytes
 _READ: weakref.WeakValueDictionary[bytes, _Chunk] = weakref.WeakValueDictionary()
 _LOCK = threading.Lock()
@@ -277,7 +294,7 @@ class _Putter:
         return cls.pool.submit(ray.put, payload).result()
 
 
-def _forget(key: Any, entry: _Entry) -> Any:
+def _forget(key: int, entry: _Entry) -> Any:
     def callback(_: Any) -> None:
         if _PUT.get(key) is entry:
             _PUT.pop(key, None)
@@ -285,19 +302,15 @@ def _forget(key: Any, entry: _Entry) -> Any:
     return callback
 
 
-def _lookup(key: Any, t: torch.Tensor, by_provenance: bool) -> _Entry | None:
-    entry = _PUT.get(key)
-    if entry is None:
+def _lookup(t: torch.Tensor, signature: tuple[Any, ...] | None) -> _Entry | None:
+    """The entry of ``t`` if what was put is still what ``t`` holds."""
+    entry = _PUT.get(id(t))
+    if entry is None or signature is None or entry.wref() is not t:
         return None
-    alive = entry.wref()
-    if alive is None or (not by_provenance and alive is not t):
-        return None
-    if entry.dtype != t.dtype or entry.shape != tuple(t.shape):
-        return None  # not the segment it claims to be: put it again rather than trust it
-    return entry
+    return entry if entry.signature == signature else None
 
 
-def encode_segments(segments: list[Any], provenance: bytes | None) -> tuple[Any, ...]:
+def encode_segments(segments: list[Any]) -> tuple[Any, ...]:
     """The store-segments tuple of a value (see the module docs); puts the segments not in the
     store yet as one chunk."""
     n = len(segments)
@@ -307,7 +320,7 @@ def encode_segments(segments: list[Any], provenance: bytes | None) -> tuple[Any,
     ref_slot: dict[Any, int] = {}
     others: list[Any] = []
     seen: dict[int, tuple[int, int]] = {}
-    fresh: list[tuple[int, Any, torch.Tensor]] = []  # (slot, key, tensor)
+    fresh: list[tuple[torch.Tensor, tuple[Any, ...] | None]] = []  # (tensor, signature)
     fresh_at: dict[int, int] = {}
     reused = 0
 
@@ -332,14 +345,14 @@ def encode_segments(segments: list[Any], provenance: bytes | None) -> tuple[Any,
             hit = (slot_of(t.chunk.ref), t.j)
             reused += 1
         elif bufferable(t):
-            key: Any = provenance[16 * i : 16 * i + 16] if provenance else id(t)
-            entry = _lookup(key, t, provenance is not None)
+            signature = _signature(t)
+            entry = _lookup(t, signature)
             if entry is not None:
                 hit = (slot_of(entry.ref), entry.j)
                 reused += 1
             else:
                 fresh_at[id(t)] = len(fresh)
-                fresh.append((i, key, t))
+                fresh.append((t, signature))
                 codes[i] = -3  # filled in once the chunk is put
         else:
             hit = (-2, len(others))
@@ -358,8 +371,9 @@ def encode_segments(segments: list[Any], provenance: bytes | None) -> tuple[Any,
     return (STORE_FORMAT, i64_bytes(codes), i64_bytes(pos), refs, others)
 
 
-def _put_chunk(fresh: list[tuple[int, Any, torch.Tensor]]) -> Any:
-    contiguous = [t.contiguous() for _, _, t in fresh]
+def _put_chunk(fresh: list[tuple[torch.Tensor, tuple[Any, ...] | None]]) -> Any:
+    # the signatures were read before the bytes: a write racing the put makes the entry stale
+    contiguous = [t.contiguous() for t, _ in fresh]
     arrays = [byte_view(c) for c in contiguous]
     payload = (
         CHUNK_FORMAT,
@@ -369,10 +383,12 @@ def _put_chunk(fresh: list[tuple[int, Any, torch.Tensor]]) -> Any:
     )
     ref = _Putter.put(payload)
     with _LOCK:
-        for j, (_, key, t) in enumerate(fresh):
-            entry = _Entry(ref, j, t, weakref.ref(t))
-            entry.wref = weakref.ref(t, _forget(key, entry))
-            _PUT[key] = entry
+        for j, (t, signature) in enumerate(fresh):
+            if signature is None:
+                continue  # no version counter: nothing tells a later send it is unchanged
+            entry = _Entry(ref, j, signature, weakref.ref(t))
+            entry.wref = weakref.ref(t, _forget(id(t), entry))
+            _PUT[id(t)] = entry
     _COUNTERS.put_objects += 1
     _COUNTERS.put_segments += len(fresh)
     _COUNTERS.put_bytes += sum(a.nbytes for a in arrays)

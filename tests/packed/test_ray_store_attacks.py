@@ -1,0 +1,283 @@
+"""Hostile uses of the object-store path with real Ray: a later send must never carry stale or
+foreign bytes, shards outlive the driver's batch, the put table empties, and the
+``MMPACK_INSTALL`` switch reads like a switch."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import os
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from mmpack import PackedTensor
+from mmpack.packed import ray_store
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _store_on(ray_session: Any) -> Iterator[None]:
+    was = ray_store.enabled()
+    ray_store.enable(True)
+    try:
+        yield
+    finally:
+        ray_store.enable(was)
+
+
+def _remote_as_tensor() -> Any:
+    import ray
+
+    @ray.remote
+    def as_tensor(value: PackedTensor) -> torch.Tensor:
+        return value.as_tensor().clone()
+
+    return as_tensor
+
+
+def sent(value: Any) -> torch.Tensor:
+    """What a task receiving ``value`` as an argument gathers."""
+    import ray
+
+    return ray.get(_remote_as_tensor().remote(value))
+
+
+def test_in_place_write_after_a_put_is_sent() -> None:
+    t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    value = PackedTensor([t], dim_to_pack=0)
+    assert torch.equal(sent(value), t)
+    t.mul_(10)
+    assert torch.equal(sent(value), t)
+    value.tensors[0][0, 0] = -7.0  # a write through a view of the segment
+    assert torch.equal(sent(value), t)
+
+
+def test_segments_sharing_a_provenance_id_keep_their_own_bytes() -> None:
+    provenance = [b"\x07" * 16]
+    a = PackedTensor([torch.zeros(4, 2)], dim_to_pack=0, _segment_provenance=provenance)
+    b = PackedTensor([torch.ones(4, 2)], dim_to_pack=0, _segment_provenance=provenance)
+    assert torch.equal(sent(a), torch.zeros(4, 2))
+    assert torch.equal(sent(b), torch.ones(4, 2))
+
+
+def test_a_modified_deep_copy_of_a_dedup_value_is_sent_as_modified() -> None:
+    value = PackedTensor([torch.zeros(3, 5)], dim_to_pack=0)
+    value.enable_deduplication()
+    assert torch.equal(sent(value), torch.zeros(3, 5))
+    other = copy.deepcopy(value)
+    other.__dict__["tensors"] = [torch.full((3, 5), 2.0)]  # same provenance, new bytes
+    assert torch.equal(sent(other), torch.full((3, 5), 2.0))
+    assert torch.equal(sent(value), torch.zeros(3, 5))
+
+
+def test_a_segment_whose_storage_was_replaced_is_sent_anew() -> None:
+    t = torch.zeros(6)
+    value = PackedTensor([t], dim_to_pack=0)
+    assert torch.equal(sent(value), torch.zeros(6))
+    with torch.no_grad():
+        t.set_(torch.arange(6, dtype=torch.float32))
+    assert torch.equal(sent(value), torch.arange(6, dtype=torch.float32))
+
+
+def test_views_of_one_storage_in_several_dtypes_and_strides() -> None:
+    base = torch.arange(64, dtype=torch.int32)
+    segs = [
+        base[8:16].reshape(2, 4),  # an offset view
+        base.reshape(8, 8)[:2, 1:5],  # non-contiguous
+        base.reshape(8, 8).t()[:2, :4],  # transposed
+    ]
+    as_bytes = base.view(torch.uint8)[4:20].reshape(2, 8)  # another dtype over the same storage
+    ints = PackedTensor(segs, dim_to_pack=0)
+    raw = PackedTensor([as_bytes, as_bytes], dim_to_pack=0)
+    assert torch.equal(sent(ints), torch.cat(segs))
+    assert torch.equal(sent(raw), torch.cat([as_bytes, as_bytes]))
+    base[:] = -1  # every view changes: every send must see it
+    assert torch.equal(sent(ints), torch.cat(segs))
+    assert torch.equal(sent(raw), torch.cat([as_bytes, as_bytes]))
+
+
+def test_inference_tensors_are_sent_correctly() -> None:
+    with torch.inference_mode():
+        t = torch.arange(5, dtype=torch.float32)
+    value = PackedTensor([t], dim_to_pack=0)
+    assert torch.equal(sent(value), t)
+    with torch.inference_mode():
+        t.add_(1)
+    assert torch.equal(sent(value), t)
+
+
+def test_shards_outlive_the_driver_batch_and_travel_from_an_actor_on() -> None:
+    import ray
+
+    @ray.remote
+    class Holder:
+        def keep(self, shard: PackedTensor) -> int:
+            self.shard = shard
+            return len(shard)
+
+        def hand(self) -> PackedTensor:
+            return self.shard
+
+    @ray.remote
+    def read(nested: dict[str, list[Any]]) -> list[torch.Tensor]:
+        return [ray.get(ref).as_tensor().clone() for ref in nested["x"]]
+
+    segs = [torch.full((2, 3), float(i)) for i in range(4)]
+    batch = PackedTensor(list(segs), dim_to_pack=0)
+    expected = batch.slice([2, 3]).as_tensor().clone()
+    ref = ray.put(batch.slice([2, 3]))
+    del batch, segs
+    gc.collect()  # the driver's segments are gone: only the refs keep the chunk
+    holder = Holder.remote()
+    assert ray.get(holder.keep.remote(ref)) == 2
+    del ref
+    handed = holder.hand.remote()
+    got = ray.get(read.remote({"x": [handed, handed]}))
+    assert len(got) == 2 and all(torch.equal(g, expected) for g in got)
+    assert torch.equal(ray.get(handed).as_tensor(), expected)
+    assert torch.equal(ray.get(handed).as_tensor(), expected)  # ray.get twice
+    ray.kill(holder)
+
+
+def test_the_put_table_empties_once_the_segments_are_gone() -> None:
+    import ray
+
+    def round_trip() -> None:
+        value = PackedTensor([torch.ones(16, 4) for _ in range(3)], dim_to_pack=0)
+        ray.get(ray.put([value, {"again": value}]))
+        assert ray_store.put_refs()
+
+    round_trip()
+    gc.collect()
+    assert ray_store.put_refs() == []
+
+
+def test_two_threads_pickling_at_once_send_the_right_bytes() -> None:
+    values = [PackedTensor([torch.full((8, 8), float(i))], dim_to_pack=0) for i in range(6)]
+    errors: list[BaseException] = []
+    results: dict[int, torch.Tensor] = {}
+
+    def worker(i: int) -> None:
+        try:
+            results[i] = sent(values[i % len(values)])
+        except BaseException as exc:  # report it on the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(12)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(timeout=60)
+    assert not errors and not any(th.is_alive() for th in threads)
+    for i, got in results.items():
+        assert torch.equal(got, torch.full((8, 8), float(i % len(values))))
+
+
+# ---------------------------------------------------------------------------------------------
+# the switch
+
+
+def _hook_armed(value: str) -> bool:
+    """Whether ``mmpack_startup.pth`` arms the hook in a fresh interpreter with ``value`` set."""
+    probe = (
+        "import site, sys; site.addsitedir(sys.argv[1]); print('mmpack._startup' in sys.modules)"
+    )
+    got = subprocess.run(
+        [sys.executable, "-c", probe, str(ROOT / "python")],
+        env=dict(os.environ, MMPACK_INSTALL=value, PYTHONPATH=str(ROOT / "python")),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert got.returncode == 0, got.stderr
+    return {"True": True, "False": False}[got.stdout.strip()]
+
+
+OFF = ["0", "", " ", "false", "False", "no", "OFF"]
+ON = ["1", "true", "yes"]
+
+
+def test_the_hook_reads_off_values_as_off() -> None:
+    assert [_hook_armed(v) for v in OFF + ON] == [False] * len(OFF) + [True] * len(ON)
+
+
+def test_the_store_path_reads_the_variable_like_the_hook(monkeypatch: pytest.MonkeyPatch) -> None:
+    for value, on in [(v, False) for v in OFF] + [(v, True) for v in ON]:
+        monkeypatch.setenv(ray_store.ENV_VAR, value)
+        assert ray_store._env_on() is on, value
+
+
+def test_a_broken_mmpack_never_breaks_interpreter_start(tmp_path: Path) -> None:
+    (tmp_path / "mmpack").mkdir()
+    (tmp_path / "mmpack" / "__init__.py").write_text("raise ImportError('a broken build')\n")
+    (tmp_path / "mmpack_startup.pth").write_text(
+        (ROOT / "python" / "mmpack_startup.pth").read_text()
+    )
+    probe = "import site, sys; site.addsitedir(sys.argv[1]); print('started')"
+    got = subprocess.run(
+        [sys.executable, "-c", probe, str(tmp_path)],
+        env=dict(os.environ, MMPACK_INSTALL="1", PYTHONPATH=""),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert got.returncode == 0 and got.stdout.strip() == "started", got.stderr
+
+
+def test_a_received_value_combines_and_hands_out_only_private_tensors() -> None:
+    import ray
+
+    @ray.remote
+    def combine(value: PackedTensor) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        out["concat"] = PackedTensor.concat([value, value.slice([1])]).as_tensor().clone()
+        out["flat"] = PackedTensor.flattened_concat([value, value]).as_tensor().clone()
+        out["merge"] = PackedTensor.merge_segments([value, value]).as_tensor().clone()
+        out["repeat"] = value.repeat_interleave(2).as_tensor().clone()
+        for shard in value.shard(2):
+            for t in shard.tensors:
+                t.fill_(-5)  # private copies (or value's own): the store keeps its bytes
+                torch.from_dlpack(t).fill_(-6)
+        value.as_tensor().fill_(-7)
+        value.slice([0]).to("cpu").as_tensor().fill_(-8)
+        return out
+
+    segs = [torch.arange(6, dtype=torch.int64).reshape(2, 3) + 10 * i for i in range(2)]
+    value = PackedTensor(list(segs), dim_to_pack=0)
+    got = ray.get(combine.remote(value))
+    whole = torch.cat(segs)
+    assert torch.equal(got["concat"], torch.cat([whole, segs[1]]))
+    assert torch.equal(got["flat"], torch.cat([whole, whole]))
+    assert torch.equal(got["merge"], torch.cat([whole, whole]))
+    assert torch.equal(got["repeat"], torch.cat([segs[0], segs[0], segs[1], segs[1]]))
+    reused = ray_store.store_counters().reused_segments
+    assert torch.equal(sent(value), whole)  # the chunk put first, read again: unchanged
+    assert ray_store.store_counters().reused_segments == reused + 2
+
+
+def test_values_made_and_returned_inside_tasks() -> None:
+    import ray
+
+    on = {"env_vars": {ray_store.ENV_VAR: "1"}}  # workers of their own: the pool's stay off
+
+    @ray.remote(runtime_env=on)
+    def make(i: int) -> PackedTensor:
+        seg = torch.full((3, 2), float(i))
+        return PackedTensor([seg, seg], dim_to_pack=0)
+
+    @ray.remote(runtime_env=on)
+    def relay(i: int) -> list[PackedTensor]:
+        return ray.get([make.remote(i), make.remote(i + 1)])  # ray.get inside a task, then a put
+
+    got = ray.get(relay.remote(1), timeout=60)
+    assert all(
+        torch.equal(v.as_tensor(), torch.full((6, 2), float(i)))
+        for v, i in zip(got, (1, 2), strict=True)
+    )
