@@ -281,3 +281,36 @@ def test_values_made_and_returned_inside_tasks() -> None:
         torch.equal(v.as_tensor(), torch.full((6, 2), float(i)))
         for v, i in zip(got, (1, 2), strict=True)
     )
+
+
+
+@pytest.mark.timeout(180)
+def test_a_plain_pickle_nested_inside_rays_is_self_contained() -> None:
+    import pickle
+
+    import ray
+
+    def unnest(blob: bytes) -> PackedTensor:
+        return pickle.loads(blob)
+
+    class NestsAPlainPickle:
+        """Pickles its PackedTensor with plain ``pickle`` while Ray pickles it: those bytes
+        must not carry object-store references (defined here so Ray sends it by value)."""
+
+        def __init__(self, value: PackedTensor) -> None:
+            self.value = value
+
+        def __reduce__(self) -> Any:
+            return (unnest, (pickle.dumps(self.value),))
+
+    @ray.remote
+    def total(holder: Any) -> float:
+        return float(holder.as_tensor().sum())
+
+    t = torch.arange(1000, dtype=torch.float32).reshape(10, 100)
+    value = PackedTensor([t], dim_to_pack=0)
+    before = ray_store.store_counters().put_bytes
+    # a hang here was the failure: the nested bytes held references Ray never tracked
+    for _ in range(2):
+        assert ray.get(total.remote(NestsAPlainPickle(value)), timeout=60) == float(t.sum())
+    assert ray_store.store_counters().put_bytes == before  # nothing went through the store

@@ -105,7 +105,16 @@ def serializing_for_ray() -> bool:
     contexts = getattr(worker_module.global_worker, "serialization_context_map", None)
     if not contexts:
         return False
-    return any(ctx.is_in_band_serialization() for ctx in list(contexts.values()))
+    if not any(ctx.is_in_band_serialization() for ctx in list(contexts.values())):
+        return False
+    # The flag is per thread: a plain ``pickle.dumps`` that user code runs while Ray pickles
+    # (a ``__reduce__`` that nests a pickle) sees it too, and references inside those bytes
+    # would never resolve. Ray's pickler calls the reducer straight from its ``dump``; a nested
+    # pickle is called from the user's frame. So the first frame outside mmpack must be Ray's.
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_globals.get("__name__", "").startswith("mmpack."):
+        frame = frame.f_back
+    return frame is not None and frame.f_globals.get("__name__", "").startswith("ray.")
 
 
 # ---------------------------------------------------------------------------------------------
