@@ -10,7 +10,7 @@ import textwrap
 
 import numpy as np
 import pytest
-from mmpack.errors import PackingArgumentError
+from mmpack.errors import PackingArgumentError, PickleTooLargeError
 from mmpack.packing.pyrandom import shuffle_order
 
 
@@ -66,3 +66,26 @@ def test_largest_shuffle_count_is_an_error_not_an_abort_under_a_capped_address_s
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "refused: invalid packing argument n:" in out.stdout, out.stdout
+
+
+class _AlwaysLargeInt(int):
+    """An ``int`` whose comparisons claim it is never below anything."""
+
+    def __lt__(self, other: object) -> bool:
+        return False
+
+    def __gt__(self, other: object) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("module", ["mmpack.safe_load", "mmpack.compat.nemo_rl"])
+def test_max_bytes_of_an_int_subclass_is_its_value(module: str) -> None:
+    import importlib
+    import pickle
+
+    loads = importlib.import_module(module).loads
+    with pytest.raises(TypeError, match="max_bytes"):
+        loads(pickle.dumps([1, 2]), max_bytes=_AlwaysLargeInt(-5))
+    with pytest.raises(PickleTooLargeError):
+        loads(pickle.dumps(b"x" * 100_000), max_bytes=_AlwaysLargeInt(10))
+    assert loads(pickle.dumps([1, 2]), max_bytes=_AlwaysLargeInt(10**6)) == [1, 2]
