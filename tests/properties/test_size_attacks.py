@@ -89,3 +89,19 @@ def test_max_bytes_of_an_int_subclass_is_its_value(module: str) -> None:
     with pytest.raises(PickleTooLargeError):
         loads(pickle.dumps(b"x" * 100_000), max_bytes=_AlwaysLargeInt(10))
     assert loads(pickle.dumps([1, 2]), max_bytes=_AlwaysLargeInt(10**6)) == [1, 2]
+
+
+def test_micro_batch_past_int32_is_refused_before_reading_every_pack() -> None:
+    import time
+
+    from mmpack.batch import EncodedSample, micro_batch, pack_samples
+    from mmpack.errors import IndexOverflowError
+
+    sample = EncodedSample(0, np.arange(1, 5), loss_mask=np.ones(4, dtype=bool))
+    pack = pack_samples([sample], loss_mask_mode="precomputed", pad_to_multiple_of=2**20)
+    # 4096 references to one 2**20-position pack: 2**32 positions, which int32 offsets
+    # cannot hold; checking each pack's fields first read all of them (tens of seconds)
+    start = time.perf_counter()
+    with pytest.raises(IndexOverflowError, match="int32"):
+        micro_batch([pack] * 4096, pad_to_multiple_of=2**20)
+    assert time.perf_counter() - start < 2.0
