@@ -225,7 +225,8 @@ def test_media_placeholders_expand_to_the_processors_count(
     )
     encoded = enc.encode_conversation(conv)
     pad = qwen_processor.image_token_id
-    assert encoded.media_tokens == [6] and encoded.media_units == 6
+    # media units are the vision tower's patches: 2 x 2 of them merge into each token
+    assert encoded.media_tokens == [6] and encoded.media_units == 24
     assert int((encoded.token_ids == pad).sum()) == 6
     assert sum(encoded.message_lengths.tolist()) == encoded.num_tokens
     # "<image>" is no token of Qwen2-VL: it stays text, as the model's processor keeps it

@@ -74,11 +74,9 @@ class Budget:
     __slots__ = ("input_bytes", "limit", "used")
 
     def __init__(self, input_bytes: int, max_bytes: int | None) -> None:
-        check_max_bytes(max_bytes)
+        bound = check_max_bytes(max_bytes)
         self.input_bytes = input_bytes
-        self.limit = (
-            DEFAULT_FACTOR * input_bytes + DEFAULT_FLOOR if max_bytes is None else max_bytes
-        )
+        self.limit = DEFAULT_FACTOR * input_bytes + DEFAULT_FLOOR if bound is None else bound
         self.used = 0
 
     def charge(self, nbytes: int, what: str) -> None:
@@ -92,10 +90,13 @@ class Budget:
             )
 
 
-def check_max_bytes(max_bytes: object) -> None:
-    """``TypeError`` naming ``max_bytes`` unless it is ``None`` or a non-negative ``int``
-    (checked before the payload is read or copied)."""
-    if max_bytes is not None and (
-        not isinstance(max_bytes, int) or isinstance(max_bytes, bool) or max_bytes < 0
-    ):
+def check_max_bytes(max_bytes: object) -> int | None:
+    """``max_bytes`` as a plain ``int`` (an ``int`` subclass's own comparisons could pass any
+    value, and disable the bound), or ``None``; ``TypeError`` naming it unless it is ``None``
+    or a non-negative ``int`` (checked before the payload is read or copied)."""
+    if max_bytes is None:
+        return None
+    bound = int.__index__(max_bytes) if isinstance(max_bytes, int) else None
+    if bound is None or isinstance(max_bytes, bool) or bound < 0:
         raise TypeError(f"max_bytes must be a non-negative int or None, got {max_bytes!r}")
+    return bound

@@ -77,11 +77,11 @@ def loads(data: bytes | bytearray | memoryview, *, max_bytes: int | None = None)
 def load(file: str | os.PathLike[str] | IO[bytes], *, max_bytes: int | None = None) -> Any:
     """``loads`` for a path or a binary file object (a pickle or a ``torch.save`` file). Reading
     the file counts against ``max_bytes``: a longer file is refused before it is read whole."""
-    check_max_bytes(max_bytes)
+    bound = check_max_bytes(max_bytes)
     if isinstance(file, (str, os.PathLike)):
         with open(file, "rb") as fh:
-            return loads(_read_within(fh, max_bytes), max_bytes=max_bytes)
-    return loads(_read_within(file, max_bytes), max_bytes=max_bytes)
+            return loads(_read_within(fh, bound), max_bytes=bound)
+    return loads(_read_within(file, bound), max_bytes=bound)
 
 
 def _read_within(fh: IO[bytes], max_bytes: int | None) -> bytes:

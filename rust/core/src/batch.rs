@@ -669,7 +669,21 @@ pub fn concat(parts: &[ThdView<'_>], opts: &BatchOptions) -> CoreResult<ThdLayou
     let layout = check_options(opts)?;
     layout.check_thd_target()?;
     let multiple = layout.multiple;
+    // The total first: checking each pack's fields reads every position, so packs that can
+    // never fit int32 offsets are refused before that work, not after it.
     let mut total: usize = 0;
+    for part in parts {
+        total = total
+            .checked_add(part.input_ids.len())
+            .ok_or(CoreError::IndexOverflow {
+                what: "micro-batch length",
+            })?;
+    }
+    if total > THD_MAX {
+        return Err(CoreError::IndexOverflow {
+            what: "cu_seqlens (int32): the packs hold more positions than int32 offsets",
+        });
+    }
     for (k, part) in parts.iter().enumerate() {
         check_thd(part, opts.pad_token_id, opts.ignore_index).map_err(|e| in_pack(k, e))?;
         let widths = part.cu_seqlens_padded.windows(2).map(|w| match w {
@@ -687,16 +701,6 @@ pub fn concat(parts: &[ThdView<'_>], opts: &BatchOptions) -> CoreResult<ThdLayou
                 });
             }
         }
-        total = total
-            .checked_add(part.input_ids.len())
-            .ok_or(CoreError::IndexOverflow {
-                what: "micro-batch length",
-            })?;
-    }
-    if total > THD_MAX {
-        return Err(CoreError::IndexOverflow {
-            what: "cu_seqlens (int32): the packs hold more positions than int32 offsets",
-        });
     }
     let mut extra = 0;
     if let Some(target) = layout.pad_to_length {

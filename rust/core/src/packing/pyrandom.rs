@@ -83,8 +83,13 @@ pub fn shuffle_permutation(
             detail: format!("shuffle supports at most {} items, got {n}", u32::MAX),
         });
     }
+    // up to u32::MAX items is 32 GiB: a refusal is an error, not an abort
+    let mut x: Vec<i64> = crate::alloc::vec_with_capacity(n, || CoreError::PackingArgument {
+        name: "n",
+        detail: format!("the permutation of {n} items cannot be allocated"),
+    })?;
+    x.extend(0..n as i64);
     let mut rng = Mt { mt: state, pos };
-    let mut x: Vec<i64> = (0..n as i64).collect();
     for i in (1..n).rev() {
         let j = rng.below((i + 1) as u32) as usize;
         x.swap(i, j);
