@@ -283,7 +283,6 @@ def test_values_made_and_returned_inside_tasks() -> None:
     )
 
 
-
 @pytest.mark.timeout(180)
 def test_a_plain_pickle_nested_inside_rays_is_self_contained() -> None:
     import pickle
