@@ -8,6 +8,8 @@ PY := $(VENV)/bin/python
 export VIRTUAL_ENV := $(abspath $(VENV))
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 PROFILE ?= ci
+# pytest processes (pytest-xdist): the suite is mostly single-threaded Python
+PYTEST_WORKERS ?= 2
 DEPS_STAMP := $(VENV)/.mmpack-deps
 # The pyo3 crate reads this to find the interpreter when `cargo` builds the bindings.
 export PYO3_PYTHON := $(abspath $(PY))
@@ -47,7 +49,7 @@ test-rust:
 
 .PHONY: test-python
 test-python: build
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(PYTEST_WORKERS)
 
 # Every crate: the workspace (core, bindings, benches) and the fuzz crate, which is its own
 # workspace (its checks also compile into the core's tests).
