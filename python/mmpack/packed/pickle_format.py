@@ -57,7 +57,7 @@ import numpy as np
 import torch
 
 from mmpack._native import LayoutError, MmpackError, PackedLayout
-from mmpack.errors import LayoutMismatchError
+from mmpack.errors import LayoutMismatchError, UnsafePickleError
 from mmpack.packed import ray_store as _ray_store
 from mmpack.packed.pickle_operation import (
     GROUP_FORMAT,
@@ -67,7 +67,7 @@ from mmpack.packed.pickle_operation import (
     Group,
     plan_segments,
 )
-from mmpack.packed.restore_charge import charge
+from mmpack.packed.restore_charge import RESTORE_CHARGE, charge
 
 if TYPE_CHECKING:
     from mmpack.packed.value import PackedTensor
@@ -215,6 +215,8 @@ def restore(obj: PackedTensor, state: Any) -> None:
         _restore_mmpack(obj, state)
         return
     _check_fields(state, "NeMo-RL state")
+    if "_store" in state:  # object-store segments that methods would prefer over ``tensors``
+        raise LayoutError(f"{CORRUPT}: a NeMo-RL state has no '_store'")
     lay = state.get("_layout")
     if lay is not None and not (
         isinstance(lay, PackedLayout) and lay.n_physical == len(state["tensors"])
@@ -373,6 +375,13 @@ def _restore_fields(obj: PackedTensor, state: dict[str, Any]) -> None:
         return
     segments = state["segments"]
     in_store = isinstance(segments, tuple) and segments[:1] == (_ray_store.STORE_FORMAT,)
+    if in_store and RESTORE_CHARGE.get() is not None:
+        # only Ray's own deserializer writes these; a payload would import Ray (uncharged) and
+        # hand its own objects to the object-store path
+        raise UnsafePickleError(
+            "refusing Ray object-store segments in a restricted load: they come only from "
+            "Ray's serializer"
+        )
     tensors = _ray_store.decode_segments(segments) if in_store else _decode_segments(segments)
     lay = None
     layout_state = state["layout"]
