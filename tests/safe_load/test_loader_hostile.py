@@ -4,11 +4,14 @@ parts disagree or reach code outside the loader's budget."""
 
 from __future__ import annotations
 
+import io
 import pickle
 import struct
+import tracemalloc
 
 import pytest
-from mmpack.errors import LayoutError, UnsafePickleError
+import torch
+from mmpack.errors import CorruptPickleError, LayoutError, PickleTooLargeError, UnsafePickleError
 from mmpack.safe_load import loads
 
 STATE_KEY = "__mmpack_packed_tensor__"
@@ -43,3 +46,59 @@ def test_nemo_rl_state_with_store_segments_is_refused() -> None:
     state = {"tensors": [], "dim_to_pack": 0, "pad_to_max_shape": False, "_store": ["x", 5]}
     with pytest.raises(LayoutError, match="_store"):
         loads(_packed(state), max_bytes=1 << 20)
+
+
+def _nemo_state(**fields: object) -> dict[str, object]:
+    return {"tensors": [], "dim_to_pack": 0, "pad_to_max_shape": False, **fields}
+
+
+def test_stride_zero_row_offsets_are_charged_by_their_elements() -> None:
+    # one stored element claims 2**28; converting it to an int64 array would allocate 2 GiB
+    big = torch.zeros(1, dtype=torch.int64).as_strided((2**28,), (0,))
+    payload = _packed(_nemo_state(_row_offsets=big, _segment_indices=big))
+    assert len(payload) < 1000
+    with pytest.raises(PickleTooLargeError, match="NeMo-RL state"):
+        loads(payload, max_bytes=1 << 20)
+
+
+def test_row_offsets_holding_a_tensor_are_refused() -> None:
+    big = torch.zeros(1, dtype=torch.int64).as_strided((2**28,), (0,))
+    payload = _packed(_nemo_state(_row_offsets=[big], _segment_indices=[0]))
+    with pytest.raises(LayoutError, match="_row_offsets must be a list of int"):
+        loads(payload, max_bytes=1 << 20)
+
+
+def _unmemoized(value: object) -> bytes:
+    out = io.BytesIO()
+    pickler = pickle.Pickler(out, 2)
+    pickler.fast = True  # no memo: two such bodies can follow each other
+    pickler.dump(value)
+    return out.getvalue()[2:-1]
+
+
+def test_a_second_state_for_one_value_is_refused() -> None:
+    # the first state's row layout (3 segments) would stay with the second one's empty tensors
+    t = torch.ones(2)
+    first = _nemo_state(tensors=[t, t, t], _row_offsets=[0, 1, 2, 3], _segment_indices=[0, 1, 2])
+    payload = (
+        b"\x80\x02cmmpack\nPackedTensor\n)\x81"
+        + _unmemoized(first)
+        + b"b"
+        + _unmemoized(_nemo_state())
+        + b"b."
+    )
+    with pytest.raises(UnsafePickleError, match="second state"):
+        loads(payload, max_bytes=1 << 22)
+
+
+def test_a_long_float_line_is_refused_without_its_repr() -> None:
+    # float()'s ValueError holds a repr of the whole line, four times its size
+    payload = b"F" + b"\xff" * (1 << 20) + b"\n."
+    tracemalloc.start()
+    try:
+        with pytest.raises(CorruptPickleError, match="FLOAT"):
+            loads(payload, max_bytes=4 << 20)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 4 << 20

@@ -223,13 +223,39 @@ def restore(obj: PackedTensor, state: Any) -> None:
     ):
         raise LayoutError(f"{CORRUPT}: _layout does not fit tensors")
     _refuse_shadowing(type(obj), state, _corrupt)
-    entries = sum(len(v) for k in RAW_FIELDS if isinstance(v := state.get(k), list))
-    charge(64 * entries + _ATTRIBUTE_COST * len(state), "a NeMo-RL state")
+    charge(64 * _raw_entries(state) + _ATTRIBUTE_COST * len(state), "a NeMo-RL state")
     d = obj.__dict__
+    if "_layout" not in state:
+        d.pop("_layout", None)  # a state restored twice: the first one's layout is not this one's
     d.update(state)
     if any(k in d for k in RAW_FIELDS) or "_layout" not in d:
         d.pop("_layout", None)
         obj._adopt_raw()
+
+
+def _raw_entries(state: dict[str, Any]) -> int:
+    """The entries NeMo-RL's row-mapping fields convert to arrays: a list's items, a tensor's
+    elements (a stride-0 tensor over one stored element may claim billions). In a restricted
+    load the fields must be lists of ints (of bytes for provenance) or tensors: a list holding
+    a tensor would convert to an array of all its elements."""
+    restricted = RESTORE_CHARGE.get() is not None
+    n = 0
+    for key in RAW_FIELDS:
+        value = state.get(key)
+        if value is None:
+            continue
+        if isinstance(value, torch.Tensor):
+            n += value.numel()
+            continue
+        items = (bytes, bytearray) if key == "_segment_provenance" else (int, bool)
+        if restricted and not (type(value) is list and all(type(x) in items for x in value)):
+            raise LayoutError(
+                f"{CORRUPT}: {key} must be a list of {items[0].__name__} or a tensor, got "
+                f"{type(value).__name__}" + (" with other items" if type(value) is list else "")
+            )
+        if isinstance(value, list):
+            n += len(value)
+    return n
 
 
 def _corrupt(why: str) -> LayoutError:

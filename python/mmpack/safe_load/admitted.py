@@ -173,6 +173,10 @@ class Admitted:
                 f"refusing to set the state of {describe(obj)}: a payload sets the state of "
                 "PackedTensor values only (torch would, for one, resize a tensor's storage)"
             )
+        if obj.__dict__:
+            raise UnsafePickleError(
+                "refusing a second state for one PackedTensor: a pickle sets each state once"
+            )
         obj.__setstate__(state)  # type: ignore[attr-defined]  # restore charges what it builds
 
     def persistent(self, pid: Any) -> Any:
