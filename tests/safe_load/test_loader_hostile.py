@@ -8,6 +8,7 @@ import io
 import pickle
 import struct
 import tracemalloc
+from collections import OrderedDict
 
 import pytest
 import torch
@@ -102,3 +103,21 @@ def test_a_long_float_line_is_refused_without_its_repr() -> None:
     finally:
         tracemalloc.stop()
     assert peak < 4 << 20
+
+
+class _QuantizedRecord:
+    """Pickles as a tensor record over a qint8 storage, which torch.save never writes."""
+
+    def __reduce__(self) -> tuple[object, ...]:
+        import torch._utils
+
+        raw = torch.arange(4, dtype=torch.uint8).untyped_storage()
+        storage = torch.storage.TypedStorage(wrap_storage=raw, dtype=torch.qint8, _internal=True)
+        hooks: OrderedDict[object, object] = OrderedDict()
+        return (torch._utils._rebuild_tensor_v2, (storage, 0, (4,), (1,), False, hooks, None))
+
+
+def test_a_quantized_storage_is_refused() -> None:
+    # the tensor rebuilt over it has no quantizer: torch's own asserts fail on first use
+    with pytest.raises(UnsafePickleError, match="QInt8Storage"):
+        loads(pickle.dumps(_QuantizedRecord(), 2), max_bytes=1 << 20)
