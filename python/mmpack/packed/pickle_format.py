@@ -57,7 +57,7 @@ import numpy as np
 import torch
 
 from mmpack._native import LayoutError, MmpackError, PackedLayout
-from mmpack.errors import LayoutMismatchError
+from mmpack.errors import LayoutMismatchError, UnsafePickleError
 from mmpack.packed import ray_store as _ray_store
 from mmpack.packed.pickle_operation import (
     GROUP_FORMAT,
@@ -67,7 +67,7 @@ from mmpack.packed.pickle_operation import (
     Group,
     plan_segments,
 )
-from mmpack.packed.restore_charge import charge
+from mmpack.packed.restore_charge import RESTORE_CHARGE, charge
 
 if TYPE_CHECKING:
     from mmpack.packed.value import PackedTensor
@@ -214,19 +214,47 @@ def restore(obj: PackedTensor, state: Any) -> None:
         _restore_mmpack(obj, state)
         return
     _check_fields(state, "NeMo-RL state")
+    if "_store" in state:  # object-store segments that methods would prefer over ``tensors``
+        raise LayoutError(f"{CORRUPT}: a NeMo-RL state has no '_store'")
     lay = state.get("_layout")
     if lay is not None and not (
         isinstance(lay, PackedLayout) and lay.n_physical == len(state["tensors"])
     ):
         raise LayoutError(f"{CORRUPT}: _layout does not fit tensors")
     _refuse_shadowing(type(obj), state, _corrupt)
-    entries = sum(len(v) for k in RAW_FIELDS if isinstance(v := state.get(k), list))
-    charge(64 * entries + _ATTRIBUTE_COST * len(state), "a NeMo-RL state")
+    charge(64 * _raw_entries(state) + _ATTRIBUTE_COST * len(state), "a NeMo-RL state")
     d = obj.__dict__
+    if "_layout" not in state:
+        d.pop("_layout", None)  # a state restored twice: the first one's layout is not this one's
     d.update(state)
     if any(k in d for k in RAW_FIELDS) or "_layout" not in d:
         d.pop("_layout", None)
         obj._adopt_raw()
+
+
+def _raw_entries(state: dict[str, Any]) -> int:
+    """The entries NeMo-RL's row-mapping fields convert to arrays: a list's items, a tensor's
+    elements (a stride-0 tensor over one stored element may claim billions). In a restricted
+    load the fields must be lists of ints (of bytes for provenance) or tensors: a list holding
+    a tensor would convert to an array of all its elements."""
+    restricted = RESTORE_CHARGE.get() is not None
+    n = 0
+    for key in RAW_FIELDS:
+        value = state.get(key)
+        if value is None:
+            continue
+        if isinstance(value, torch.Tensor):
+            n += value.numel()
+            continue
+        items = (bytes, bytearray) if key == "_segment_provenance" else (int, bool)
+        if restricted and not (type(value) is list and all(type(x) in items for x in value)):
+            raise LayoutError(
+                f"{CORRUPT}: {key} must be a list of {items[0].__name__} or a tensor, got "
+                f"{type(value).__name__}" + (" with other items" if type(value) is list else "")
+            )
+        if isinstance(value, list):
+            n += len(value)
+    return n
 
 
 def _corrupt(why: str) -> LayoutError:
@@ -400,6 +428,13 @@ def _restore_fields(obj: PackedTensor, state: dict[str, Any]) -> None:
         return
     segments = state["segments"]
     in_store = isinstance(segments, tuple) and segments[:1] == (_ray_store.STORE_FORMAT,)
+    if in_store and RESTORE_CHARGE.get() is not None:
+        # only Ray's own deserializer writes these; a payload would import Ray (uncharged) and
+        # hand its own objects to the object-store path
+        raise UnsafePickleError(
+            "refusing Ray object-store segments in a restricted load: they come only from "
+            "Ray's serializer"
+        )
     tensors = _ray_store.decode_segments(segments) if in_store else _decode_segments(segments)
     lay = None
     layout_state = state["layout"]

@@ -70,10 +70,18 @@ def _storage_type(name: str) -> type | None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dtype = getattr(cls, "dtype", None)
-    if not isinstance(dtype, torch.dtype):
+    if not isinstance(dtype, torch.dtype) or _is_quantized(dtype):
+        # a quantized tensor comes from torch._utils._rebuild_qtensor (not admitted); one
+        # rebuilt over its storage by _rebuild_tensor_v2 has no quantizer
         return None
     _STORAGE_DTYPES[id(cls)] = (cls, dtype)
     return cls
+
+
+def _is_quantized(dtype: Any) -> bool:
+    import torch
+
+    return dtype in (torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4)
 
 
 def storage_dtype(storage_type: Any) -> Any:
@@ -172,6 +180,10 @@ class Admitted:
             raise UnsafePickleError(
                 f"refusing to set the state of {describe(obj)}: a payload sets the state of "
                 "PackedTensor values only (torch would, for one, resize a tensor's storage)"
+            )
+        if obj.__dict__:
+            raise UnsafePickleError(
+                "refusing a second state for one PackedTensor: a pickle sets each state once"
             )
         obj.__setstate__(state)  # type: ignore[attr-defined]  # restore charges what it builds
 

@@ -37,6 +37,9 @@ __all__ = ["MAX_NESTING", "Gate", "Unpickler", "describe"]
 #: How deep tuples and frozensets may nest (what protocols 0 to 5 write for real data is a few).
 MAX_NESTING = 100
 
+# the longest FLOAT line (repr of a float is at most 24 characters)
+_MAX_FLOAT_LINE = 64
+
 _I32 = struct.Struct("<i")
 _U16 = struct.Struct("<H")
 _U32 = struct.Struct("<I")
@@ -337,7 +340,13 @@ class Unpickler:
         self._push(int.from_bytes(self._view[start : start + n], "little", signed=True))
 
     def _float(self) -> None:
-        self._push(float(self._line(cost.REF + cost.SMALL, 3, "a float")))
+        line = self._line(cost.REF + cost.SMALL, 3, "a float")
+        if len(line) > _MAX_FLOAT_LINE:  # float()'s error would hold a repr of the whole line
+            raise pickle.UnpicklingError(
+                f"a FLOAT of {len(line)} bytes at {self._pos - len(line) - 2}: a pickler writes "
+                f"repr(float), at most {_MAX_FLOAT_LINE}"
+            )
+        self._push(float(line))
 
     def _binfloat(self) -> None:
         self._charge(cost.REF + cost.SMALL, "a float")
