@@ -165,6 +165,12 @@ OPTIONAL_SITES = {
 
 
 @pytest.mark.parametrize("site", sorted(SCALAR_SITES))
+def _stable_id(value: Any) -> str:
+    """A test id that is the same in every process (a bare object's repr holds its address,
+    and pytest-xdist's workers must collect the same ids)."""
+    return f"{type(value).__name__}()" if type(value).__repr__ is object.__repr__ else repr(value)
+
+
 @pytest.mark.parametrize("value", HUGE_INTS, ids=repr)
 def test_overflowing_integer_arguments_raise_typed_errors(site: str, value: int) -> None:
     call, _ = SCALAR_SITES[site]
@@ -172,7 +178,7 @@ def test_overflowing_integer_arguments_raise_typed_errors(site: str, value: int)
 
 
 @pytest.mark.parametrize("site", sorted(SCALAR_SITES))
-@pytest.mark.parametrize("value", JUNK, ids=repr)
+@pytest.mark.parametrize("value", JUNK, ids=_stable_id)
 def test_non_integer_arguments_raise_typed_errors(site: str, value: Any) -> None:
     call, _ = SCALAR_SITES[site]
     if value is None and site in OPTIONAL_SITES:  # None is these arguments' default
@@ -335,7 +341,7 @@ def test_pack_rejects_bad_options(kwargs: dict[str, Any]) -> None:
         _check_packing(result, [1, 2], 10)
 
 
-@pytest.mark.parametrize("packer_arg", ["nope", None, 3, object()], ids=repr)
+@pytest.mark.parametrize("packer_arg", ["nope", None, 3, object()], ids=_stable_id)
 def test_get_packer_rejects_unknown_algorithms(packer_arg: Any) -> None:
     must_raise(lambda: nemo_rl_packing.get_packer(packer_arg, 10))
 
