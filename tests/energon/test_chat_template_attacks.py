@@ -7,7 +7,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-
 from mmpack.batch import masks
 from mmpack.energon.chat_template import ChatTemplateEncoder, hf_messages, markup_media
 from mmpack.energon.media import MediaSettings
