@@ -147,3 +147,15 @@ def test_placeholder_split_across_text_items_is_refused(qwen_processor: Any) -> 
     split = (Part(text="<|image_", trainable=False), Part(text="pad|>", trainable=False))
     with pytest.raises(SampleFormatError, match=r"attack.*<\|image_pad\|>"):
         encoder.encode(_conversation(("user", split), ("assistant", "a")))
+
+
+def test_text_holding_the_markers_of_the_first_plane_still_encodes(
+    qwen_generation_tokenizer: Any,
+) -> None:
+    # every pair of private-use characters of the first plane has one in the text: the parts
+    # are marked with characters of the supplementary private-use planes instead
+    every_other = "".join(chr(c) for c in range(0xE000, 0xF8FF, 2))
+    conversation = _conversation(("user", every_other), ("assistant", every_other))
+    assert _encoded_mask(qwen_generation_tokenizer, conversation, "precomputed") == (
+        _consumer_mask(qwen_generation_tokenizer, conversation)
+    )
