@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -69,6 +70,9 @@ __all__ = [
 
 #: Role of the spans of a message that lie outside its generation block (roles mode).
 TEMPLATE_MARKUP_ROLE = "<template-markup>"
+#: The private-use areas, as ranges of the first character of a marker pair (c, c + 1)
+_PRIVATE_USE = ((0xE000, 0xF8FF), (0xF0000, 0xFFFFD), (0x100000, 0x10FFFD))
+
 #: The role whose output ``{% generation %}`` blocks mark: with them, such a message trains only
 #: the tokens inside its blocks, none when it has none.
 GENERATION_ROLE = "assistant"
@@ -185,9 +189,15 @@ def _text_spans(
     spans: list[dict[int, tuple[int, int]]] = [{} for _ in turns]
     if not texts:
         return spans
-    # two private-use characters that occur nowhere in the rendering (so in no text)
+    # two private-use characters that occur nowhere in the rendering (so in no text): the
+    # first plane's, then the supplementary planes' (one set of the rendering's characters)
+    used = set(full)
     code = next(
-        (c for c in range(0xE000, 0xF8FF, 2) if chr(c) not in full and chr(c + 1) not in full),
+        (
+            c
+            for c in itertools.chain(*(range(lo, hi, 2) for lo, hi in _PRIVATE_USE))
+            if chr(c) not in used and chr(c + 1) not in used
+        ),
         None,
     )
     if code is None:
