@@ -189,7 +189,8 @@ def test_a_fragment_is_never_matched_in_the_role_header(qwen_tokenizer: Any) -> 
 
 
 def test_text_that_leaves_no_marker_is_refused_naming_the_sample(qwen_tokenizer: Any) -> None:
-    every_private_use = "".join(chr(c) for c in range(0xE000, 0xF8FF))
+    areas = ((0xE000, 0xF900), (0xF0000, 0xFFFFE), (0x100000, 0x10FFFE))
+    every_private_use = "".join(chr(c) for lo, hi in areas for c in range(lo, hi))
     enc = encoder(qwen_tokenizer, loss_mask_mode="precomputed")
     conv = conversation(("user", (text(every_private_use),)), ("assistant", (text("ok"),)))
     with pytest.raises(ChatTemplateError, match=r"'c0'.*private-use"):

@@ -18,7 +18,9 @@ Trainable spans, checked against the rendering:
   Everything a message's rendering adds (its header and end marker included) is that message's.
 * When the template marks assistant output with ``{% generation %}``, a message with tokens
   inside a generation block trains only those (``return_assistant_tokens_mask``); its header
-  and end marker outside the block are never trained.
+  and end marker outside the block are never trained. An assistant message with no tokens in a
+  block (an empty reply in a block around the text only, a turn the template does not mark)
+  trains nothing, as the template's own mask; other roles without blocks follow `train_roles`.
 * In ``"precomputed"`` mode a text part's ``trainable`` flag (fragments format) decides its
   own tokens. Each part is located by rendering the conversation once more with every text
   replaced by a unique sentinel (so a text is never matched inside a role header or a system
@@ -45,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -67,6 +70,12 @@ __all__ = [
 
 #: Role of the spans of a message that lie outside its generation block (roles mode).
 TEMPLATE_MARKUP_ROLE = "<template-markup>"
+#: The private-use areas, as ranges of the first character of a marker pair (c, c + 1)
+_PRIVATE_USE = ((0xE000, 0xF8FF), (0xF0000, 0xFFFFD), (0x100000, 0x10FFFD))
+
+#: The role whose output ``{% generation %}`` blocks mark: with them, such a message trains only
+#: the tokens inside its blocks, none when it has none.
+GENERATION_ROLE = "assistant"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,9 +189,15 @@ def _text_spans(
     spans: list[dict[int, tuple[int, int]]] = [{} for _ in turns]
     if not texts:
         return spans
-    # two private-use characters that occur nowhere in the rendering (so in no text)
+    # two private-use characters that occur nowhere in the rendering (so in no text): the
+    # first plane's, then the supplementary planes' (one set of the rendering's characters)
+    used = set(full)
     code = next(
-        (c for c in range(0xE000, 0xF8FF, 2) if chr(c) not in full and chr(c + 1) not in full),
+        (
+            c
+            for c in itertools.chain(*(range(lo, hi, 2) for lo, hi in _PRIVATE_USE))
+            if chr(c) not in used and chr(c + 1) not in used
+        ),
         None,
     )
     if code is None:
@@ -402,7 +417,11 @@ class ChatTemplateEncoder:
             lo = int(np.searchsorted(message_of, m, side="left"))
             hi = int(np.searchsorted(message_of, m, side="right"))
             by_role = turn.role in train_roles
-            if bool(in_generation[lo:hi].any()):
+            # an assistant reply the template leaves outside its blocks (an empty reply, an
+            # earlier turn) is not trained, as in the template's own assistant mask
+            if bool(in_generation[lo:hi].any()) or (
+                self.uses_generation_blocks and turn.role == GENERATION_ROLE
+            ):
                 markup_span[lo:hi] = ~in_generation[lo:hi]
             if spans is None:
                 trainable[lo:hi] = by_role
