@@ -26,7 +26,6 @@ from mmpack.energon import PackingEncoderConfig, PackingTaskEncoder
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dev"))  # the synthetic data writer
-from mmpack_dev.synthetic import WORDS, png_bytes
 from common import (
     generic_sample,
     load_packs,
@@ -36,6 +35,7 @@ from common import (
     word_tokenizer,
     write_dataset,
 )
+from mmpack_dev.synthetic import WORDS, png_bytes
 
 SPECIAL_TOKENS = ["<s>", "</s>", "<pad>", "<image>"]
 # llava-hf/llava-1.5's chat template: images first, then the text; answers in generation blocks

@@ -22,7 +22,6 @@ from mmpack.energon import PackingEncoderConfig, PackingTaskEncoder
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dev"))  # the synthetic data writer
-from mmpack_dev.synthetic import WORDS, wav_bytes
 from common import (
     generic_sample,
     load_packs,
@@ -32,6 +31,7 @@ from common import (
     word_tokenizer,
     write_dataset,
 )
+from mmpack_dev.synthetic import WORDS, wav_bytes
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",

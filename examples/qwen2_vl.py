@@ -22,9 +22,10 @@ from mmpack.energon import PackingEncoderConfig, PackingTaskEncoder
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "dev"))  # the synthetic data writer
+from common import generic_sample, load_packs, next_token_loss, report, summarize, word_tokenizer
+from mmpack_dev.qwen_vocab import QWEN2_VL_CHAT_TEMPLATE
 from mmpack_dev.synthetic import mp4_bytes as video_bytes
 from mmpack_dev.synthetic import png_bytes
-from common import generic_sample, load_packs, next_token_loss, report, summarize, word_tokenizer
 
 SPECIAL_TOKENS = [
     "<|endoftext|>",
@@ -37,21 +38,7 @@ SPECIAL_TOKENS = [
 ]
 # Qwen2-VL-Instruct's chat template (no generation markers: trainable spans come from the
 # rendered message boundaries, checked by mmpack)
-CHAT_TEMPLATE = (
-    "{% set image_count = namespace(value=0) %}{% set video_count = namespace(value=0) %}"
-    "{% for message in messages %}{% if loop.first and message['role'] != 'system' %}"
-    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
-    "<|im_start|>{{ message['role'] }}\n{% if message['content'] is string %}"
-    "{{ message['content'] }}<|im_end|>\n{% else %}{% for content in message['content'] %}"
-    "{% if content['type'] == 'image' or 'image' in content or 'image_url' in content %}"
-    "{% set image_count.value = image_count.value + 1 %}{% if add_vision_id %}Picture "
-    "{{ image_count.value }}: {% endif %}<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif content['type'] == 'video' or 'video' in content %}"
-    "{% set video_count.value = video_count.value + 1 %}{% if add_vision_id %}Video "
-    "{{ video_count.value }}: {% endif %}<|vision_start|><|video_pad|><|vision_end|>"
-    "{% elif 'text' in content %}{{ content['text'] }}{% endif %}{% endfor %}<|im_end|>\n"
-    "{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+CHAT_TEMPLATE = QWEN2_VL_CHAT_TEMPLATE
 TEMPLATE_WORDS = ["system", "user", "assistant", "You", "are", "a", "helpful", "Picture", "Video"]
 # min/max pixels of the resize policy (the defaults are 56*56 and 28*28*1280)
 MIN_PIXELS, MAX_PIXELS = 56 * 56, 112 * 112

@@ -15,6 +15,7 @@ from mmpack.energon import PackingEncoderConfig, PackingTaskEncoder
 from mmpack.energon.samples import Conversation, EncodedConversation, Part, Turn
 from mmpack.errors import EnergonConfigError
 from mmpack_dev.synthetic import PATCH_SIZE
+from support.conversations import cooked_conversation
 
 CAPACITY = 64
 MULTIPLE = 8
@@ -23,13 +24,9 @@ WORDS = (20, 28, 21, 29)
 
 
 def conversation(key: str, words: int) -> Conversation:
-    return Conversation(
-        __key__=key,
-        __restore_key__=(),
-        __subflavors__=None,
-        __sources__=(),
-        source_format="test",
-        turns=[
+    return cooked_conversation(
+        key,
+        [
             Turn("user", (Part(text="kaka"),)),
             Turn("assistant", (Part(text=" ".join(["lolo"] * words)),)),
         ],

@@ -20,19 +20,16 @@ from mmpack.energon.samples import Conversation, Part, Turn
 from mmpack.errors import ChatTemplateError, EnergonConfigError, SampleFormatError
 from mmpack_dev.qwen_vocab import qwen2_vl_tokenizer
 from mmpack_dev.synthetic import build_tokenizer, png_bytes
+from support.conversations import cooked_conversation
 
 NOT_PREFIX_STABLE = "{{ messages | length }} {% for m in messages %}{{ m['content'] }} {% endfor %}"
 UPPERCASE = "{% for m in messages %}<|im_start|>{{ m['content'] | upper }}<|im_end|>{% endfor %}"
 
 
 def conversation(*turns: tuple[str, tuple[Part, ...]], key: str = "c0") -> Conversation:
-    return Conversation(
-        __key__=key,
-        __restore_key__=(),
-        __subflavors__=None,
-        __sources__=(),
-        source_format="test",
-        turns=[Turn(role, parts) for role, parts in turns],
+    return cooked_conversation(
+        key,
+        [Turn(role, parts) for role, parts in turns],
     )
 
 

@@ -27,6 +27,7 @@ from mmpack.energon.samples import Conversation, Part, Turn
 from mmpack.errors import SampleFormatError
 from mmpack_dev.qwen_vocab import QWEN2_VL_GENERATION_TEMPLATE, qwen2_vl_tokenizer
 from mmpack_dev.synthetic import png_bytes
+from support.conversations import cooked_conversation
 
 # small budgets: each example renders and tokenizes a few times with the real vocabulary
 FAST = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -90,13 +91,9 @@ def conversations(draw: Any, *, flags: bool) -> Conversation:
             for _ in range(draw(st.integers(1, 3)))
         )
         turns.append(Turn(role, parts))
-    return Conversation(
-        __key__="generated",
-        __restore_key__=(),
-        __subflavors__=None,
-        __sources__=(),
-        source_format="test",
-        turns=turns,
+    return cooked_conversation(
+        "generated",
+        turns,
     )
 
 
@@ -267,13 +264,9 @@ def test_with_images_trained_tokens_are_still_the_templates_assistant_mask(
             {"role": "user", "content": content},
             {"role": "assistant", "content": [{"type": "text", "text": answer}]},
         ]
-    conv = Conversation(
-        __key__="gen",
-        __restore_key__=(),
-        __subflavors__=None,
-        __sources__=(),
-        source_format="test",
-        turns=parts,
+    conv = cooked_conversation(
+        "gen",
+        parts,
     )
     tokenizer = generation_with_images[None].tokenizer
     theirs = tokenizer.apply_chat_template(
@@ -312,13 +305,9 @@ def test_a_placeholder_in_the_text_is_refused_and_other_text_stays_text(
         )
         for i in range(images)
     ]
-    conv = Conversation(
-        __key__="gen",
-        __restore_key__=(),
-        __subflavors__=None,
-        __sources__=(),
-        source_format="test",
-        turns=[
+    conv = cooked_conversation(
+        "gen",
+        [
             Turn("user", (Part(text=before), *media, Part(text=after))),
             Turn("assistant", (Part(text=reply),)),
         ],

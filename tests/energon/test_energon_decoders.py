@@ -17,6 +17,7 @@ from mmpack.energon.processors import ModelProcessor
 from mmpack.energon.samples import Conversation, Part, Turn
 from mmpack.errors import MediaTokenCountError, SampleFormatError, UndeclaredModalityError
 from mmpack_dev.synthetic import build_tokenizer, png_bytes
+from support.conversations import cooked_conversation
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 
@@ -33,13 +34,9 @@ def image(key: str, size: tuple[int, int], *, meta: Any = None) -> MediaHandle:
 
 
 def conversation(*media: MediaHandle) -> Conversation:
-    return Conversation(
-        __key__="s0",
-        __restore_key__=(),
-        __subflavors__=None,
-        __sources__=(),
-        source_format="test",
-        turns=[
+    return cooked_conversation(
+        "s0",
+        [
             Turn("user", (*(Part(media=m) for m in media), Part(text="ka lo mi"))),
             Turn("assistant", (Part(text="ne su"),)),
         ],

@@ -21,6 +21,7 @@ from support.processors import mp4_bytes, qwen_vl_processor
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import llava
 import qwen2_audio
+from support.conversations import cooked_conversation
 
 
 @functools.cache
@@ -37,13 +38,9 @@ def item(kind: str, name: str, data: bytes, sample: str = "s0") -> MediaHandle:
 
 
 def conversation(key: str, *media: MediaHandle) -> Conversation:
-    return Conversation(
-        __key__=key,
-        __restore_key__=(),
-        __subflavors__=None,
-        __sources__=(),
-        source_format="test",
-        turns=[
+    return cooked_conversation(
+        key,
+        [
             Turn("user", (*(Part(media=m) for m in media), Part(text="Describe it."))),
             Turn("assistant", (Part(text="It is noise."),)),
         ],

@@ -17,6 +17,7 @@ from mmpack_dev.synthetic import wav_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import qwen2_audio
+from support.conversations import cooked_conversation
 
 #: (seconds, sampling rate) of each clip: native, resampled from 22.05 and 44.1 kHz
 CLIPS = ((0.7, 16000), (2.0, 22050), (1.3, 44100))
@@ -30,13 +31,9 @@ def conversation(key: str, clip: Path) -> Conversation:
         source=("test", clip.name),
         data=clip.read_bytes(),
     )
-    return Conversation(
-        __key__=key,
-        __restore_key__=(),
-        __subflavors__=None,
-        __sources__=(),
-        source_format="test",
-        turns=[
+    return cooked_conversation(
+        key,
+        [
             Turn("user", (Part(media=handle), Part(text="What is it?"))),
             Turn("assistant", (Part(text="A tone."),)),
         ],
@@ -90,13 +87,9 @@ def test_the_feature_window_is_the_unit_of_media_capacity(rate: int) -> None:
         data=wav_bytes(1.0, rate),
     )
     encoded = enc.encode_conversation(
-        Conversation(
-            __key__="s0",
-            __restore_key__=(),
-            __subflavors__=None,
-            __sources__=(),
-            source_format="test",
-            turns=[Turn("user", (Part(media=clip),)), Turn("assistant", (Part(text="ok"),))],
+        cooked_conversation(
+            "s0",
+            [Turn("user", (Part(media=clip),)), Turn("assistant", (Part(text="ok"),))],
         )
     )
     assert encoded.media_units == processor.feature_extractor.nb_max_frames == 3000

@@ -19,6 +19,7 @@ from mmpack.energon.samples import Conversation, Part, Turn
 from mmpack.errors import ModalityConfigError
 from mmpack_dev.synthetic import png_bytes
 from PIL import Image
+from support.conversations import cooked_conversation
 from support.processors import llava_next_processor
 
 #: (width, height) of the pictures: 3, 3 and 5 tiles
@@ -37,13 +38,9 @@ def conversation(key: str, pictures: list[bytes]) -> Conversation:
         )
         for i, d in enumerate(pictures)
     ]
-    return Conversation(
-        __key__=key,
-        __restore_key__=(),
-        __subflavors__=None,
-        __sources__=(),
-        source_format="test",
-        turns=[
+    return cooked_conversation(
+        key,
+        [
             Turn("user", (*(Part(media=m) for m in media), Part(text="kaka"))),
             Turn("assistant", (Part(text="lolo"),)),
         ],

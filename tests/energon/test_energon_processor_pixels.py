@@ -20,6 +20,7 @@ from support.processors import image_files, qwen_vl_processor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import llava
+from support.conversations import cooked_conversation
 
 TRANSPARENT = ("rgba.png", "la.png", "palette.png")
 
@@ -53,13 +54,9 @@ def handle(path: Path, sample: str) -> MediaHandle:
 
 
 def conversation(key: str, media: list[MediaHandle]) -> Conversation:
-    return Conversation(
-        __key__=key,
-        __restore_key__=(),
-        __subflavors__=None,
-        __sources__=(),
-        source_format="test",
-        turns=[
+    return cooked_conversation(
+        key,
+        [
             Turn("user", (*(Part(media=m) for m in media), Part(text="What is shown?"))),
             Turn("assistant", (Part(text="A picture."),)),
         ],

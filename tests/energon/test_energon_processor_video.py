@@ -16,6 +16,7 @@ from mmpack.energon import PackingEncoderConfig, PackingTaskEncoder
 from mmpack.energon.media import MediaHandle
 from mmpack.energon.processors import video_frames
 from mmpack.energon.samples import Conversation, Part, Turn
+from support.conversations import cooked_conversation
 from support.processors import mp4_bytes, qwen_vl_processor
 
 #: processor family -> the output fields compared
@@ -51,13 +52,9 @@ def conversation(key: str, clip: Path) -> Conversation:
         source=("test", clip.name),
         data=clip.read_bytes(),
     )
-    return Conversation(
-        __key__=key,
-        __restore_key__=(),
-        __subflavors__=None,
-        __sources__=(),
-        source_format="test",
-        turns=[
+    return cooked_conversation(
+        key,
+        [
             Turn("user", (Part(media=handle), Part(text="What happens?"))),
             Turn("assistant", (Part(text="Noise."),)),
         ],

@@ -21,6 +21,7 @@ from mmpack_dev.synthetic import png_bytes
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import llava
 import qwen2_vl
+from support.conversations import cooked_conversation
 
 
 @pytest.fixture(scope="module")
@@ -40,13 +41,9 @@ def image(key: str, size: tuple[int, int], *, sample: str = "s0", meta: Any = No
 
 
 def conversation(key: str, *media: MediaHandle) -> Conversation:
-    return Conversation(
-        __key__=key,
-        __restore_key__=(),
-        __subflavors__=None,
-        __sources__=(),
-        source_format="test",
-        turns=[
+    return cooked_conversation(
+        key,
+        [
             Turn("user", (*(Part(media=m) for m in media), Part(text="ka lo mi"))),
             Turn("assistant", (Part(text="ne su"),)),
         ],
