@@ -164,13 +164,13 @@ OPTIONAL_SITES = {
 }
 
 
-@pytest.mark.parametrize("site", sorted(SCALAR_SITES))
 def _stable_id(value: Any) -> str:
     """A test id that is the same in every process (a bare object's repr holds its address,
     and pytest-xdist's workers must collect the same ids)."""
     return f"{type(value).__name__}()" if type(value).__repr__ is object.__repr__ else repr(value)
 
 
+@pytest.mark.parametrize("site", sorted(SCALAR_SITES))
 @pytest.mark.parametrize("value", HUGE_INTS, ids=repr)
 def test_overflowing_integer_arguments_raise_typed_errors(site: str, value: int) -> None:
     call, _ = SCALAR_SITES[site]
