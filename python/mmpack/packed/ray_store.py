@@ -35,6 +35,7 @@ import dataclasses
 import os
 import sys
 import threading
+import types
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -111,7 +112,7 @@ def serializing_for_ray() -> bool:
     # (a ``__reduce__`` that nests a pickle) sees it too, and references inside those bytes
     # would never resolve. Ray's pickler calls the reducer straight from its ``dump``; a nested
     # pickle is called from the user's frame. So the first frame outside mmpack must be Ray's.
-    frame = sys._getframe(1)
+    frame: types.FrameType | None = sys._getframe(1)
     while frame is not None and frame.f_globals.get("__name__", "").startswith("mmpack."):
         frame = frame.f_back
     return frame is not None and frame.f_globals.get("__name__", "").startswith("ray.")
