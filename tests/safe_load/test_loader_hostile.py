@@ -121,3 +121,26 @@ def test_a_quantized_storage_is_refused() -> None:
     # the tensor rebuilt over it has no quantizer: torch's own asserts fail on first use
     with pytest.raises(UnsafePickleError, match="QInt8Storage"):
         loads(pickle.dumps(_QuantizedRecord(), 2), max_bytes=1 << 20)
+
+
+def test_an_unreadable_byteorder_entry_is_named_not_echoed() -> None:
+    import io
+    import zipfile
+
+    import torch
+    from mmpack.errors import CorruptPickleError
+    from mmpack.safe_load import loads
+
+    buf = io.BytesIO()
+    torch.save(torch.arange(3), buf)
+    src = zipfile.ZipFile(io.BytesIO(buf.getvalue()))
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED) as dst:
+        for info in src.infolist():
+            data = src.read(info)
+            if info.filename.endswith("/byteorder"):
+                data = b"<payload-text>"
+            dst.writestr(info.filename, data)
+    with pytest.raises(CorruptPickleError, match="byteorder") as caught:
+        loads(out.getvalue())
+    assert "payload-text" not in str(caught.value)

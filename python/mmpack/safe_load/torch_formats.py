@@ -83,6 +83,8 @@ def load_archive(data: bytes, budget: Budget, depth: int = 0) -> Any:
         if f"{prefix}byteorder" in archive.NameToInfo:
             with archive.open(f"{prefix}byteorder") as fh:
                 order = fh.read(16).decode("ascii", "replace").strip()
+            if order not in ("little", "big"):  # payload text: named, never echoed
+                raise CorruptPickleError("not a torch.save archive: unreadable byteorder entry")
             if order != sys.byteorder:
                 raise UnsafePickleError(
                     f"torch.save archive is {order}-endian; this machine is {sys.byteorder}-endian"
