@@ -104,15 +104,15 @@ def png_bytes(width: int, height: int, *, seed: int = 0) -> bytes:
     return _png(np.random.default_rng(seed), width, height)
 
 
-def mp4_bytes(frames: int, width: int, height: int, *, seed: int = 0) -> bytes:
-    """An MP4 (MPEG-4 part 2) clip of `frames` frames of `width` x `height` noise, written with
-    PyAV, whose content depends on `seed`."""
+def mp4_bytes(frames: int, width: int, height: int, *, fps: int = 4, seed: int = 0) -> bytes:
+    """An MP4 (MPEG-4 part 2) clip of `frames` frames of `width` x `height` noise at `fps` frames
+    per second, written with PyAV, whose content depends on `seed`."""
     import av
 
     rng = np.random.default_rng(seed)
     buf = io.BytesIO()
     with av.open(buf, "w", format="mp4") as out:
-        stream = out.add_stream("mpeg4", rate=4)
+        stream = out.add_stream("mpeg4", rate=fps)
         stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
         for _ in range(frames):
             pixels = rng.integers(0, 256, size=(height, width, 3), dtype=np.uint8)

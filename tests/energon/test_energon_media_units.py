@@ -15,8 +15,8 @@ from mmpack.energon import PackingEncoderConfig, PackingTaskEncoder
 from mmpack.energon.media import MediaHandle
 from mmpack.energon.samples import Conversation, Part, Turn
 from mmpack.errors import ModalityConfigError
-from mmpack_dev.synthetic import png_bytes, wav_bytes
-from support.processors import mp4_bytes, qwen_vl_processor
+from mmpack_dev.synthetic import mp4_bytes, png_bytes, wav_bytes
+from support.processors import qwen_vl_processor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
 import llava

@@ -16,8 +16,9 @@ from mmpack.energon import PackingEncoderConfig, PackingTaskEncoder
 from mmpack.energon.media import MediaHandle
 from mmpack.energon.processors import video_frames
 from mmpack.energon.samples import Conversation, Part, Turn
+from mmpack_dev.synthetic import mp4_bytes
 from support.conversations import cooked_conversation
-from support.processors import mp4_bytes, qwen_vl_processor
+from support.processors import qwen_vl_processor
 
 #: processor family -> the output fields compared
 FIELDS = {

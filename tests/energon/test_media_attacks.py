@@ -119,7 +119,7 @@ def test_a_video_processor_that_samples_frames_is_refused_at_construction(
 
 
 def test_a_video_processor_without_frame_sampling_still_starts(qwen: Any) -> None:
-    from support.processors import mp4_bytes
+    from mmpack_dev.synthetic import mp4_bytes
 
     bridge = ModelProcessor(qwen, call_kwargs={"videos_kwargs": {"fps": 2}})
     bridge.probe(["video"])

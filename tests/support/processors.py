@@ -3,7 +3,6 @@ tokenizer (Qwen2's BPE vocabulary), and the media files their oracles read."""
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 from typing import Any
 
@@ -29,24 +28,6 @@ def qwen_vl_processor(family: str = "qwen2_vl") -> Any:
         video_processor=Qwen2VLVideoProcessor(size=size, cap_pixels_per_frame=True),
         chat_template=tokenizer.chat_template,
     )
-
-
-def mp4_bytes(frames: int, width: int, height: int, *, fps: int, seed: int = 0) -> bytes:
-    """An MP4 (MPEG-4 part 2) clip of `frames` random frames at `fps` frames per second."""
-    import av
-
-    rng = np.random.default_rng(seed)
-    buf = io.BytesIO()
-    with av.open(buf, "w", format="mp4") as out:
-        stream = out.add_stream("mpeg4", rate=fps)
-        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
-        for _ in range(frames):
-            pixels = rng.integers(0, 256, size=(height, width, 3), dtype=np.uint8)
-            for packet in stream.encode(av.VideoFrame.from_ndarray(pixels, format="rgb24")):
-                out.mux(packet)
-        for packet in stream.encode():
-            out.mux(packet)
-    return buf.getvalue()
 
 
 def image_files(root: Path) -> dict[str, Path]:
