@@ -329,3 +329,20 @@ def test_mmpack_install_reaches_actors_through_runtime_env(tmp_path: Path) -> No
         nemo_rl.uninstall()
         for w in workers:
             ray.kill(w)
+
+
+
+def test_put_table_callbacks_survive_interpreter_teardown(monkeypatch: pytest.MonkeyPatch) -> None:
+    # At exit the interpreter may clear module globals before the last tensors are freed (3.13
+    # does); the callbacks that drop a freed tensor's entry must not need them.
+    raised: list[BaseException | None] = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda hook: raised.append(hook.exc_value))
+    pixels = PackedTensor(torch.randn(64, 1176), dim_to_pack=0).enable_deduplication()
+    ref = ray.put(pixels)
+    table = ray_store._PUT
+    assert any(e.wref() is not None for e in table.values())
+    monkeypatch.setattr(ray_store, "_PUT", None)
+    del pixels
+    gc.collect()
+    assert raised == []
+    del ref

@@ -304,10 +304,12 @@ class _Putter:
         return cls.pool.submit(ray.put, payload).result()
 
 
-def _forget(key: int, entry: _Entry) -> Any:
+def _forget(key: int, entry: _Entry, table: dict[int, _Entry] = _PUT) -> Any:
+    # The table is bound here: tensors freed while the interpreter shuts down run this after
+    # the module's globals are gone.
     def callback(_: Any) -> None:
-        if _PUT.get(key) is entry:
-            _PUT.pop(key, None)
+        if table.get(key) is entry:
+            table.pop(key, None)
 
     return callback
 
