@@ -1,87 +1,50 @@
-"""``install(accelerate=True)``: mmpack's ``BatchedDataDict.repeat_interleave`` on NeMo-RL's class.
+"""``install(accelerate=True)``: mmpack's versions of NeMo-RL's ``BatchedDataDict`` methods
+(``repeat_interleave``, ``shard_by_batch_size``, ``from_batches``) and of
+``batched_message_log_to_flat_message``.
 
-NeMo-RL needs a newer Python than this suite runs on, so each test registers a small stand-in
-for ``nemo_rl.data.multimodal_utils`` and ``nemo_rl.distributed.batched_data_dict`` with what the
-accelerated method reads (``PackedTensor``, ``NATIVE_MULTIMODAL_KEYS``,
-``_prepare_multimodal_sharing``, a ``UserDict``-based ``BatchedDataDict``) and compares it with
-the plain ``copy.deepcopy`` version written here. NeMo-RL's own tests run against the real module
-with ``tests/nemo_rl_fidelity/run_fidelity.py``.
+NeMo-RL needs a newer Python than this suite runs on, so each test registers small stand-ins
+for ``nemo_rl.data.multimodal_utils``, ``nemo_rl.distributed.batched_data_dict`` and
+``nemo_rl.data.llm_message_utils`` holding the plain versions of ``support.nemo_rl_reference``,
+and compares the accelerated ones with them. NeMo-RL's own tests run against the real modules
+with ``tests/nemo_rl_fidelity/run_fidelity.py --accelerate``.
 """
 
 from __future__ import annotations
 
-import copy
+import contextlib
 import sys
 import types
-from collections import UserDict
 from collections.abc import Iterator
 from typing import Any
 
 import mmpack
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from mmpack.compat import nemo_rl as compat
+from mmpack.compat.nemo_rl.packing import get_packer
+from support.nemo_rl_reference import (
+    MEDIA_KEYS,
+    ReferenceBatchedDataDict,
+    ReferenceSlicedDataDict,
+    prepare_sharing,
+    reference_flatten,
+)
 
 
 class NemoPackedTensor:
     """Stands for NeMo-RL's class until ``install()`` replaces it."""
 
 
-MEDIA_KEYS = frozenset({"vllm_content", "vllm_images"})
+BatchedDataDict = ReferenceBatchedDataDict
 
 
-def prepare_sharing(item: Any, *, media_context: bool = False) -> dict[int, Any]:
-    """NeMo-RL's rule: PackedTensors get provenance, leaves under media keys are shared."""
-    shared: dict[int, Any] = {}
-
-    def visit(value: Any, in_media: bool) -> None:
-        if isinstance(value, mmpack.PackedTensor):
-            value.enable_deduplication()
-        elif isinstance(value, dict):
-            for key, child in value.items():
-                visit(child, in_media or key in MEDIA_KEYS)
-        elif isinstance(value, (list, tuple)):
-            for child in value:
-                visit(child, in_media)
-        elif in_media:
-            shared[id(value)] = value
-
-    visit(item, media_context)
-    return shared
-
-
-class BatchedDataDict(UserDict):  # type: ignore[type-arg]
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
-        self.micro_batch_indices = None
-
-    def repeat_interleave(self, num_repeats: int, *, share_immutable_media: bool = False) -> Any:
-        """The reference: every row deep-copied with ``copy.deepcopy``."""
-        out = type(self)()
-        for key, value in self.data.items():
-            if torch.is_tensor(value):
-                out[key] = value.repeat_interleave(num_repeats, dim=0)
-            elif isinstance(value, mmpack.PackedTensor):
-                raise NotImplementedError(
-                    "PackedTensor does not currently support repeat_interleave"
-                )
-            else:
-                rows = []
-                for item in value:
-                    shared = (
-                        prepare_sharing(item, media_context=key in MEDIA_KEYS)
-                        if share_immutable_media
-                        else {}
-                    )
-                    rows.extend(copy.deepcopy(item, dict(shared)) for _ in range(num_repeats))
-                out[key] = rows
-        return out
-
-
-@pytest.fixture
-def nemo() -> Iterator[types.ModuleType]:
+@contextlib.contextmanager
+def installed_standins() -> Iterator[types.ModuleType]:
+    """The stand-in NeMo-RL modules in ``sys.modules``, nothing installed; undone after."""
     names = ["nemo_rl", "nemo_rl.data", "nemo_rl.data.multimodal_utils", "nemo_rl.distributed"]
-    names.append("nemo_rl.distributed.batched_data_dict")
+    names += ["nemo_rl.distributed.batched_data_dict", "nemo_rl.data.llm_message_utils"]
     saved = {name: sys.modules.get(name) for name in names}
     modules = {name: types.ModuleType(name) for name in names}
     for name in names[:2] + names[3:4]:
@@ -93,6 +56,12 @@ def nemo() -> Iterator[types.ModuleType]:
     batched._prepare_multimodal_sharing = prepare_sharing  # type: ignore[attr-defined]
     BatchedDataDict.repeat_interleave = BatchedDataDict.__dict__["repeat_interleave"]
     batched.BatchedDataDict = BatchedDataDict  # type: ignore[attr-defined]
+    batched.SlicedDataDict = ReferenceSlicedDataDict  # type: ignore[attr-defined]
+    batched.get_packer = get_packer  # type: ignore[attr-defined]
+    messages = modules["nemo_rl.data.llm_message_utils"]
+    messages.PackedTensor = NemoPackedTensor  # type: ignore[attr-defined]
+    messages.BatchedDataDict = BatchedDataDict  # type: ignore[attr-defined]
+    messages.batched_message_log_to_flat_message = reference_flatten  # type: ignore[attr-defined]
     sys.modules.update(modules)
     compat.uninstall()
     try:
@@ -104,6 +73,12 @@ def nemo() -> Iterator[types.ModuleType]:
                 sys.modules.pop(name, None)
             else:
                 sys.modules[name] = module
+
+
+@pytest.fixture
+def nemo() -> Iterator[types.ModuleType]:
+    with installed_standins() as batched:
+        yield batched
 
 
 def grpo_batch() -> BatchedDataDict:
@@ -224,3 +199,354 @@ def test_accelerate_without_nemo_rl_changes_nothing() -> None:
     finally:
         compat.uninstall()
         sys.modules.update(saved)
+
+
+# ------------------------------------------------------------------ sharding, stacking, flatten
+
+
+def summary(value: Any, labels: dict[int, int]) -> Any:
+    """Values, dtypes and shapes; which objects are the same object (labels in first-seen
+    order); a PackedTensor's physical layout (segments by identity, offsets, indices,
+    provenance) and its logical rows."""
+
+    def label(v: Any) -> int:
+        return labels.setdefault(id(v), len(labels))
+
+    if isinstance(value, torch.Tensor):
+        return ("T", value.dtype, tuple(value.shape), value.tolist())
+    if isinstance(value, mmpack.PackedTensor):
+        return (
+            "P",
+            len(value),
+            [label(t) for t in value.tensors],
+            value._row_offsets,
+            value._segment_indices,
+            value._segment_provenance,
+            value.logical_segment_counts_by_row(),
+            [t.tolist() for t in value.iter_logical_segments()],
+        )
+    if isinstance(value, list):
+        return ("L", [label(v) for v in value])
+    if isinstance(value, ReferenceBatchedDataDict):
+        return (
+            type(value).__name__,
+            [(k, summary(v, labels)) for k, v in value.data.items()],
+            value.micro_batch_indices,
+            value.micro_batch_lengths,
+            value.elem_counts_per_gb,
+        )
+    if isinstance(value, tuple):
+        return ("tuple", [summary(v, labels) for v in value])
+    raise TypeError(type(value))
+
+
+def same(ours: Any, theirs: Any, source: Any = None) -> None:
+    """``ours`` and ``theirs`` agree in everything ``summary`` shows, objects labelled by
+    identity against a shared ``source`` first."""
+    labels_a: dict[int, int] = {}
+    labels_b: dict[int, int] = {}
+    if source is not None:
+        summary(source, labels_a)
+        summary(source, labels_b)
+    assert summary(ours, labels_a) == summary(theirs, labels_b)
+
+
+def as_list(result: Any) -> Any:
+    shards, order = result
+    return tuple([*shards, ReferenceBatchedDataDict({"order": list(order)})])
+
+
+def train_batch(rows: int, width: int, seed: int) -> ReferenceBatchedDataDict:
+    """A train batch as the GRPO path shards it: token tensors, lengths, a 3-D per-token field,
+    a list, and deduplicated images that several rows share."""
+    gen = torch.Generator().manual_seed(seed)
+    prompts = max(1, rows // 4)
+    images = [torch.randn(2 + i % 3, 3, generator=gen) for i in range(prompts + 1)]
+    per_prompt = [
+        mmpack.PackedTensor.merge_segments(
+            [
+                mmpack.PackedTensor(images[(p + k) % len(images)], 0).enable_deduplication()
+                for k in range(p % 3)
+            ]
+        )
+        if p % 3
+        else mmpack.PackedTensor.empty_rows_like(
+            mmpack.PackedTensor(images[0], 0).enable_deduplication(), 1
+        )
+        for p in range(prompts)
+    ]
+    pixels = mmpack.PackedTensor.flattened_concat(
+        [per_prompt[r % prompts] for r in range(rows)]
+    )
+    return ReferenceBatchedDataDict(
+        {
+            "input_ids": torch.randint(0, 1000, (rows, width), generator=gen),
+            "input_lengths": torch.randint(1, width + 1, (rows,), generator=gen, dtype=torch.int32),
+            "token_mask": torch.rand(rows, width, generator=gen) > 0.5,
+            "teacher_topk": torch.randn(rows, width, 2, generator=gen),
+            "sample_mask": torch.rand(rows, generator=gen),
+            "idx": [object() for _ in range(rows)],
+            "pixel_values": pixels,
+        }
+    )
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    shards=st.sampled_from([1, 2, 4]),
+    chunks=st.integers(1, 3),
+    per_shard=st.integers(1, 6),
+    width=st.integers(1, 40),
+    multiple=st.sampled_from([1, 8]),
+    capacity=st.integers(48, 160),
+    algorithm=st.sampled_from(["modified_first_fit_decreasing", "first_fit_decreasing"]),
+    microbatch_order=st.sampled_from([None, "packer", "largest_first"]),
+    seed=st.integers(0, 2**16),
+)
+def test_accelerated_sequence_packing_shards_equal_the_plain_version(
+    shards: int,
+    chunks: int,
+    per_shard: int,
+    width: int,
+    multiple: int,
+    capacity: int,
+    algorithm: str,
+    microbatch_order: str | None,
+    seed: int,
+) -> None:
+    with installed_standins() as batched:
+        batch_size = shards * per_shard
+        batch = train_batch(batch_size * chunks, width, seed)
+        args = {
+            "max_tokens_per_microbatch": capacity,
+            "input_key": "input_ids",
+            "input_lengths_key": "input_lengths",
+            "algorithm": algorithm,
+            "sequence_length_pad_multiple": multiple,
+            "microbatch_order": microbatch_order,
+        }
+        calls = ReferenceBatchedDataDict.reference_calls
+        theirs = ReferenceBatchedDataDict.shard_by_batch_size(
+            batch, shards, batch_size=batch_size, sequence_packing_args=args
+        )
+        compat.install(accelerate=True)
+        fast_calls = ReferenceBatchedDataDict.reference_calls
+        ours = batch.shard_by_batch_size(shards, batch_size=batch_size, sequence_packing_args=args)
+        # the fast path ran (the plain method was not called again)
+        assert ReferenceBatchedDataDict.reference_calls == fast_calls == calls + 1
+        assert all(type(s) is batched.SlicedDataDict for s in ours[0])
+        same(as_list(ours), as_list(theirs), batch)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    shards=st.sampled_from([1, 2, 4]),
+    chunks=st.integers(1, 3),
+    per_shard=st.integers(1, 6),
+    width=st.integers(1, 40),
+    round_to=st.sampled_from([1, 8, 64]),
+    seed=st.integers(0, 2**16),
+)
+def test_accelerated_dynamic_batching_shards_equal_the_plain_version(
+    shards: int, chunks: int, per_shard: int, width: int, round_to: int, seed: int
+) -> None:
+    with installed_standins():
+        batch_size = shards * per_shard
+        batch = train_batch(batch_size * chunks, width, seed)
+        # ties in the lengths: the sort must keep NeMo-RL's stable order
+        batch["input_lengths"] = batch["input_lengths"] // 4 + 1
+        args = {
+            "max_tokens_per_microbatch": max(64, width),
+            "sequence_length_round": round_to,
+            "input_key": "input_ids",
+            "input_lengths_key": "input_lengths",
+        }
+        theirs = ReferenceBatchedDataDict.shard_by_batch_size(
+            batch, shards, batch_size=batch_size, dynamic_batching_args=args
+        )
+        compat.install(accelerate=True)
+        calls = ReferenceBatchedDataDict.reference_calls
+        ours = batch.shard_by_batch_size(shards, batch_size=batch_size, dynamic_batching_args=args)
+        assert ReferenceBatchedDataDict.reference_calls == calls
+        same(as_list(ours), as_list(theirs), batch)
+        # every shard shares NeMo-RL's one micro-batch list, as NeMo-RL's shards do
+        assert len({id(s.micro_batch_indices) for s in ours[0]}) == 1
+
+
+def test_sharding_outside_the_fast_path_runs_nemo_rls_method() -> None:
+    with installed_standins():
+        compat.install(accelerate=True)
+        batch = train_batch(8, 5, 0)
+        args = {
+            "max_tokens_per_microbatch": 64,
+            "sequence_length_round": 8,
+            "input_key": "input_ids",
+            "input_lengths_key": "input_lengths",
+        }
+        for kwargs in (
+            {"allow_uneven_shards": True},  # the plain path of NeMo-RL's method
+            {"dynamic_batching_args": args, "sequence_packing_args": args},
+            {"dynamic_batching_args": {**args, "input_key": "missing"}},
+        ):
+            calls = ReferenceBatchedDataDict.reference_calls
+            with pytest.raises((NotImplementedError, KeyError)):
+                batch.shard_by_batch_size(2, **kwargs)
+            assert ReferenceBatchedDataDict.reference_calls == calls + 1
+        # lengths over the micro-batch capacity: NeMo-RL's own refusal, not ours
+        calls = ReferenceBatchedDataDict.reference_calls
+        with pytest.raises(AssertionError, match="padded length"):
+            batch.shard_by_batch_size(2, dynamic_batching_args={**args, "max_tokens_per_microbatch": 1})
+        assert ReferenceBatchedDataDict.reference_calls == calls + 1
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    widths=st.lists(st.integers(0, 6), min_size=1, max_size=4),
+    rows=st.lists(st.integers(0, 3), min_size=4, max_size=4),
+    dtype=st.sampled_from([torch.int64, torch.bool, torch.float32, torch.int32]),
+    pad=st.sampled_from([None, 0, 1, -100]),
+)
+def test_accelerated_from_batches_equals_the_plain_version(
+    widths: list[int], rows: list[int], dtype: torch.dtype, pad: int | None
+) -> None:
+    with installed_standins():
+        gen = torch.Generator().manual_seed(sum(widths) + sum(rows))
+        batches = []
+        for w, n in zip(widths, rows, strict=False):
+            if not n and len(batches) == len(widths) - 1 and not batches:
+                n = 1
+            values = torch.randint(0, 2, (n, w), generator=gen).to(dtype)
+            batches.append(
+                {
+                    "input_ids": values,
+                    "lengths": torch.arange(n),
+                    "extra": torch.ones(n, w, 2),
+                    "names": [f"r{i}" for i in range(n)],
+                }
+            )
+        pads = None if pad is None else {"input_ids": pad}
+        if sum(b["input_ids"].shape[0] for b in batches) == 0:
+            batches[0] = {k: v for k, v in batches[0].items()}
+        theirs_error = ours_error = None
+        try:
+            theirs = ReferenceBatchedDataDict.from_batches(batches, pads)
+        except RuntimeError as exc:  # pad_sequence of no rows at all
+            theirs_error = type(exc)
+        compat.install(accelerate=True)
+        try:
+            ours = ReferenceBatchedDataDict.from_batches(batches, pads)
+        except RuntimeError as exc:
+            ours_error = type(exc)
+        assert ours_error == theirs_error
+        if theirs_error is None:
+            same(ours, theirs)
+            assert type(ours) is ReferenceBatchedDataDict
+
+
+def test_from_batches_width_comes_from_rows_only() -> None:
+    # a batch without rows but a wider tensor does not widen pad_sequence's output
+    with installed_standins():
+        batches = [
+            {"input_ids": torch.ones(2, 3, dtype=torch.int64)},
+            {"input_ids": torch.ones(0, 9, dtype=torch.int64)},
+        ]
+        theirs = ReferenceBatchedDataDict.from_batches(batches)
+        compat.install(accelerate=True)
+        ours = ReferenceBatchedDataDict.from_batches(batches)
+        assert ours["input_ids"].shape == theirs["input_ids"].shape == (2, 3)
+
+
+def message_logs(seed: int, rows: int, experts: bool, missing: bool) -> list[Any]:
+    gen = torch.Generator().manual_seed(seed)
+    image = mmpack.PackedTensor(torch.randn(4, 3, generator=gen), 0).enable_deduplication()
+    logs = []
+    for r in range(rows):
+        log = []
+        for turn, role in enumerate(("system", "user", "assistant")):
+            n = int(torch.randint(0, 9, (1,), generator=gen))
+            message: dict[str, Any] = {
+                "role": role,
+                "content": f"{role} {r}",
+                "token_ids": torch.randint(0, 99, (n,), generator=gen),
+                "token_loss_mask": torch.full((n,), role == "assistant", dtype=torch.bool),
+            }
+            if role == "assistant" and not (missing and r % 2):
+                message["generation_logprobs"] = torch.randn(n, generator=gen)
+            if role == "user" and r % 3 != 1:
+                message["pixel_values"] = image
+            if experts:
+                message["routed_experts"] = torch.randint(0, 8, (n, 2), generator=gen)
+            log.append(message)
+            del turn
+        logs.append(log)
+    return logs
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    seed=st.integers(0, 2**16),
+    rows=st.integers(1, 7),
+    experts=st.booleans(),
+    missing=st.booleans(),
+    divisible=st.sampled_from([1, 8]),
+    pads=st.sampled_from([None, {"token_ids": 7}, {"token_ids": 0, "generation_logprobs": -1}]),
+)
+def test_accelerated_flatten_equals_the_plain_version(
+    seed: int,
+    rows: int,
+    experts: bool,
+    missing: bool,
+    divisible: int,
+    pads: dict[str, int] | None,
+) -> None:
+    with installed_standins() as batched:
+        messages = sys.modules["nemo_rl.data.llm_message_utils"]
+        logs = message_logs(seed, rows, experts, missing and not experts)
+        plain = messages.batched_message_log_to_flat_message
+        theirs, their_lengths = plain(logs, pads, divisible)
+        # (install rebinds every module's copy of the function, this module's included)
+        compat.install(accelerate=True)
+        flatten = messages.batched_message_log_to_flat_message
+        assert flatten is not plain
+        ours, our_lengths = flatten(logs, pads, divisible)
+        assert torch.equal(our_lengths, their_lengths) and our_lengths.dtype == torch.int32
+        assert list(ours.data) == list(theirs.data)  # NeMo-RL's key order
+        same(ours, theirs, ReferenceBatchedDataDict({"logs": logs}))
+        assert type(ours) is batched.BatchedDataDict
+
+
+def test_flatten_outside_the_fast_path_runs_nemo_rls_function() -> None:
+    with installed_standins():
+        messages = sys.modules["nemo_rl.data.llm_message_utils"]
+        logs = message_logs(0, 3, False, False)
+        # NeMo-RL's per-row torch.cat promotes a row's mixed dtypes: the fast path must not
+        logs[0][2]["token_ids"] = logs[0][2]["token_ids"].to(torch.int32)
+        theirs, _ = reference_flatten(logs, None, 1)
+        compat.install(accelerate=True)
+        ours, _ = messages.batched_message_log_to_flat_message(logs, None, 1)
+        same(ours, theirs, ReferenceBatchedDataDict({"logs": logs}))
+        assert ours["token_ids"].dtype == torch.int64
+        # rows of different dtypes: NeMo-RL's error (the stand-in's), not a promoted result
+        logs = message_logs(0, 3, False, False)
+        for message in logs[1]:
+            message["token_ids"] = message["token_ids"].to(torch.int32)
+        with pytest.raises(AssertionError, match="inconsistent types"):
+            messages.batched_message_log_to_flat_message(logs, None, 1)
+
+
+def test_uninstall_restores_the_flatten_everywhere() -> None:
+    with installed_standins():
+        messages = sys.modules["nemo_rl.data.llm_message_utils"]
+        importer = types.ModuleType("nemo_rl_importer")
+        plain = messages.batched_message_log_to_flat_message
+        importer.batched_message_log_to_flat_message = plain  # type: ignore[attr-defined]
+        sys.modules["nemo_rl_importer"] = importer
+        try:
+            compat.install(accelerate=True)
+            fast = messages.batched_message_log_to_flat_message
+            assert importer.batched_message_log_to_flat_message is fast is not plain
+            compat.uninstall()
+            assert messages.batched_message_log_to_flat_message is plain
+            assert importer.batched_message_log_to_flat_message is plain
+        finally:
+            del sys.modules["nemo_rl_importer"]

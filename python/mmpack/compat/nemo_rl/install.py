@@ -65,28 +65,37 @@ def install(*, accelerate: bool = False) -> str:
         ray_store.enable(True)
     if batched is not None:
         from mmpack.compat.nemo_rl.batched import accelerated_methods
+        from mmpack.compat.nemo_rl.flat_messages import accelerated_flatten
 
-        for name, method in accelerated_methods().items():
-            _set(batched.BatchedDataDict, name, method)
+        batched_module, messages_module = batched
+        for name, method in accelerated_methods(batched_module.BatchedDataDict).items():
+            _set(batched_module.BatchedDataDict, name, method)
+        name = "batched_message_log_to_flat_message"
+        original = getattr(messages_module, name)
+        _set_everywhere(messages_module, name, original, accelerated_flatten(original))
         _InstallState.accelerated = True
     assert _InstallState.mode is not None
     return _InstallState.mode
 
 
-def _batched_data_dict_module() -> types.ModuleType:
+def _batched_data_dict_module() -> tuple[types.ModuleType, types.ModuleType]:
+    """NeMo-RL's ``batched_data_dict`` and ``llm_message_utils`` modules."""
     from mmpack.compat.nemo_rl.batched import BATCHED_DATA_DICT_MODULE
+    from mmpack.compat.nemo_rl.flat_messages import LLM_MESSAGE_UTILS_MODULE
 
     if _InstallState.mode == "shim":
         raise ImportError(
             f"install(accelerate=True) needs NeMo-RL, and {NEMO_RL_MODULE} is mmpack's shim"
         )
-    try:
-        return importlib.import_module(BATCHED_DATA_DICT_MODULE)
-    except ImportError as exc:
-        raise ImportError(
-            f"install(accelerate=True) needs NeMo-RL's {BATCHED_DATA_DICT_MODULE}, which did "
-            f"not import: {exc}"
-        ) from exc
+    modules = []
+    for name in (BATCHED_DATA_DICT_MODULE, LLM_MESSAGE_UTILS_MODULE):
+        try:
+            modules.append(importlib.import_module(name))
+        except ImportError as exc:
+            raise ImportError(
+                f"install(accelerate=True) needs NeMo-RL's {name}, which did not import: {exc}"
+            ) from exc
+    return modules[0], modules[1]
 
 
 def _install_class() -> None:
@@ -97,18 +106,7 @@ def _install_class() -> None:
     except ImportError:
         module = None
     if module is not None:
-        original = getattr(module, "PackedTensor", None)
-        _set(module, "PackedTensor", ours)
-        if original is not None and original is not ours:
-            for other in list(sys.modules.values()):
-                if not isinstance(other, types.ModuleType) or other is module:
-                    continue
-                namespace = getattr(other, "__dict__", None)
-                if not isinstance(namespace, dict):
-                    continue
-                for name, value in list(namespace.items()):
-                    if value is original:
-                        _set(other, name, ours)
+        _set_everywhere(module, "PackedTensor", getattr(module, "PackedTensor", None), ours)
         _InstallState.mode = "patched"
         return
 
@@ -129,6 +127,23 @@ def _install_class() -> None:
 
 
 _MISSING = object()
+
+
+def _set_everywhere(module: types.ModuleType, name: str, original: Any, replacement: Any) -> None:
+    """Set ``module.name`` to ``replacement``, and rebind every already-imported module's
+    attribute that *is* ``original`` (``from module import name`` copies)."""
+    _set(module, name, replacement)
+    if original is None or original is replacement:
+        return
+    for other in list(sys.modules.values()):
+        if not isinstance(other, types.ModuleType) or other is module:
+            continue
+        namespace = getattr(other, "__dict__", None)
+        if not isinstance(namespace, dict):
+            continue
+        for attr, value in list(namespace.items()):
+            if value is original:
+                _set(other, attr, replacement)
 
 
 def _set(owner: types.ModuleType | type, name: str, value: Any) -> None:
