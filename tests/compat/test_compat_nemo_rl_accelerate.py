@@ -275,9 +275,7 @@ def train_batch(rows: int, width: int, seed: int) -> ReferenceBatchedDataDict:
         )
         for p in range(prompts)
     ]
-    pixels = mmpack.PackedTensor.flattened_concat(
-        [per_prompt[r % prompts] for r in range(rows)]
-    )
+    pixels = mmpack.PackedTensor.flattened_concat([per_prompt[r % prompts] for r in range(rows)])
     return ReferenceBatchedDataDict(
         {
             "input_ids": torch.randint(0, 1000, (rows, width), generator=gen),
@@ -395,7 +393,9 @@ def test_sharding_outside_the_fast_path_runs_nemo_rls_method() -> None:
         # lengths over the micro-batch capacity: NeMo-RL's own refusal, not ours
         calls = ReferenceBatchedDataDict.reference_calls
         with pytest.raises(AssertionError, match="padded length"):
-            batch.shard_by_batch_size(2, dynamic_batching_args={**args, "max_tokens_per_microbatch": 1})
+            batch.shard_by_batch_size(
+                2, dynamic_batching_args={**args, "max_tokens_per_microbatch": 1}
+            )
         assert ReferenceBatchedDataDict.reference_calls == calls + 1
 
 

@@ -331,7 +331,6 @@ def test_mmpack_install_reaches_actors_through_runtime_env(tmp_path: Path) -> No
             ray.kill(w)
 
 
-
 def test_put_table_callbacks_survive_interpreter_teardown(monkeypatch: pytest.MonkeyPatch) -> None:
     # At exit the interpreter may clear module globals before the last tensors are freed (3.13
     # does); the callbacks that drop a freed tensor's entry must not need them.

@@ -9,8 +9,8 @@ versions with them; NeMo-RL's own tests run against the real modules with
 
 from __future__ import annotations
 
-from collections import UserDict
 import copy
+from collections import UserDict
 from typing import Any
 
 import mmpack
@@ -40,7 +40,6 @@ def prepare_sharing(item: Any, *, media_context: bool = False) -> dict[int, Any]
 
     visit(item, media_context)
     return shared
-
 
 
 class ReferenceBatchedDataDict(UserDict):  # type: ignore[type-arg]
@@ -211,7 +210,13 @@ class ReferenceBatchedDataDict(UserDict):  # type: ignore[type-arg]
                     # NeMo-RL concatenates one slice a chunk
                     shard[key] = PackedTensor.concat(
                         [
-                            value.slice(list(range(c * batch_size + s * size, c * batch_size + (s + 1) * size)))
+                            value.slice(
+                                list(
+                                    range(
+                                        c * batch_size + s * size, c * batch_size + (s + 1) * size
+                                    )
+                                )
+                            )
                             for c in range(chunks)
                         ]
                     )

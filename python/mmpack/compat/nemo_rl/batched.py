@@ -127,7 +127,7 @@ def _rows(value: Any, packed_cls: type) -> int | None:
     if torch.is_tensor(value):
         return int(value.shape[0]) if value.ndim >= 1 else None
     if isinstance(value, (list, packed_cls)):
-        return len(value)
+        return len(value)  # type: ignore[arg-type]
     return None
 
 
@@ -319,7 +319,9 @@ def _shard_dynamic(
                     part[r * shard_size : (r + 1) * shard_size].copy_(value[lo:hi])
                 shard[key] = part
             elif isinstance(value, packed_cls):
-                shard[key] = packed_cls.concat([value.slice(list(range(lo, hi))) for lo, hi in ranges])
+                shard[key] = packed_cls.concat(
+                    [value.slice(list(range(lo, hi))) for lo, hi in ranges]
+                )
             else:
                 shard[key] = [value[i] for lo, hi in ranges for i in range(lo, hi)]
 
@@ -423,4 +425,3 @@ def _pad_sequence_of_rows(tensors: list[torch.Tensor], pad_value: Any) -> torch.
     # No rows: pad_sequence refuses an empty list, and its error is the result.
     rows = [row.flatten() for t in tensors for row in t]
     return torch.nn.utils.rnn.pad_sequence(rows, batch_first=True, padding_value=pad_value)
-

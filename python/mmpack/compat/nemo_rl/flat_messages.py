@@ -41,7 +41,7 @@ def accelerated_flatten(original: Callable[..., Any]) -> Callable[..., Any]:
     ) -> tuple[Any, torch.Tensor]:
         result = _flatten(message_log_batch, pad_value_dict, make_sequence_length_divisible_by)
         if result is None:
-            return original(message_log_batch, pad_value_dict, make_sequence_length_divisible_by)  # type: ignore[no-any-return]
+            return original(message_log_batch, pad_value_dict, make_sequence_length_divisible_by)
         return result
 
     batched_message_log_to_flat_message.__doc__ = original.__doc__
@@ -131,7 +131,9 @@ def _flatten(
             template = present[0]
             result[key] = packed_cls.flattened_concat(
                 [
-                    row.values[key] if key in row.values else packed_cls.empty_rows_like(template, 1)
+                    row.values[key]
+                    if key in row.values
+                    else packed_cls.empty_rows_like(template, 1)
                     for row in rows
                 ]
             )
