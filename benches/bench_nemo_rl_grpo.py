@@ -202,7 +202,14 @@ def unique_bytes(batch: Any, train: Any) -> dict[str, int]:
                     cast = t.is_floating_point() and key == "pixel_values"
                     media_bf16 += t.numel() * 2 if cast else t.nbytes
     tokens = sum(v.nbytes for v in train.values() if isinstance(v, torch.Tensor))
-    return {"media_f32": media_f32, "media_bf16": media_bf16, "tokens": tokens}
+    rows_per_prompt = len(train["input_ids"]) // max(1, len(batch["message_log"]))
+    return {
+        "media_f32": media_f32,
+        "media_bf16": media_bf16,
+        "tokens": tokens,
+        # every row carrying its own media, as without any deduplication
+        "media_bf16_logical": media_bf16 * rows_per_prompt,
+    }
 
 
 def memcpy_bandwidth(nbytes: int = 256 << 20, repeats: int = 5) -> float:
@@ -324,6 +331,7 @@ def run_path(
 
     payload_bytes: list[int] = []
     worker_prints: list[str] = []
+    materialized = 0  # bytes of the micro-batches' as_tensors=True outputs (fingerprint pass)
     for shards, packing in ((packed_shards, True), (dynamic_shards, False)):
         for shard in shards:
             if packed_hop:
@@ -340,10 +348,12 @@ def run_path(
             )
             if prints is not None:
                 # Fingerprinting the materialized tensors is not timed: a second walk.
-                worker_prints.extend(
-                    prints.of(mb.get_multimodal_dict(as_tensors=True))
-                    for mb in microbatches(received, packing, gbs)
-                )
+                for mb in microbatches(received, packing, gbs):
+                    tensors = mb.get_multimodal_dict(as_tensors=True)
+                    worker_prints.append(prints.of(tensors))
+                    materialized += sum(
+                        v.nbytes for v in tensors.values() if isinstance(v, torch.Tensor)
+                    )
             del received
     if prints is not None:
         digests["worker"] = hashlib.blake2b("".join(worker_prints).encode()).hexdigest()
@@ -355,7 +365,7 @@ def run_path(
         "digests": digests,
         "payload_bytes": payload_bytes,
         "store": RAY.store_counters(),
-        "unique_bytes": unique_bytes(batch, train),
+        "unique_bytes": {**unique_bytes(batch, train), "materialized": materialized},
         "rows": len(repeated["message_log"]),
     }
 
@@ -403,6 +413,21 @@ class _Ray:
         returning a dict with ``written``, ``read`` and ``between_nodes``); ``None`` without
         one, and the table shows "n/a"."""
         return STORE_METER() if STORE_METER is not None else None
+
+    def put_bandwidth(self, nbytes: int, repeats: int = 3) -> float:
+        """Bytes/s of ``ray.put`` of one fresh ``nbytes`` buffer into the object store (the best
+        of ``repeats``; each buffer freed before the next)."""
+        import numpy as np
+
+        ray = self._ray()
+        best = float("inf")
+        for _ in range(repeats):
+            buffer = np.ones(max(1, nbytes), dtype=np.uint8)
+            start = time.perf_counter()
+            ref = ray.put(buffer)
+            best = min(best, time.perf_counter() - start)
+            del ref, buffer
+        return max(1, nbytes) / best
 
     def payload_bytes(self, value: Any) -> int:
         """In-band plus out-of-band bytes Ray's serializer writes for ``value``."""
@@ -603,6 +628,7 @@ def child(args: argparse.Namespace) -> None:
         result["store"] = checked["store"]
     result["peak_rss_bytes"] = _peak_rss()
     result["memcpy_bytes_per_s"] = memcpy_bandwidth()
+    result["put_bytes_per_s"] = RAY.put_bandwidth(result["unique_bytes"]["media_bf16"])
     Path(args.result).write_text(json.dumps(result))
 
 
@@ -749,16 +775,55 @@ def _print_memory_and_floor(results: dict[str, Any], modes: list[str]) -> None:
                 for m, t in totals.items()
             )
         )
+        _print_share_floor(results, modes, bandwidth)
+        _print_store_ratio(results, modes, unique)
     for m in modes:
         store = results[m].get("store")
         if store is None:
             print(f"object store, {m}: n/a (no store meter; bytes between nodes: n/a)")
         else:
             print(
-                f"object store, {m}: media chunks written {store['written']:,} B, read "
-                f"{store['read']:,} B, "
+                f"object store, {m}: media chunks written {store['written']:,} B, read in place "
+                f"{store['read']:,} B (each shard maps its chunks; nothing is copied out), "
                 f"between nodes {store.get('between_nodes', 0):,} B"
             )
+
+
+def _print_share_floor(results: dict[str, Any], modes: list[str], bandwidth: float) -> None:
+    """What the PackedTensor share cannot go below with any class: the micro-batches'
+    materialized tensors written once at memcpy bandwidth, and the unique media written into
+    the object store once at Ray's put rate (both measured in this run)."""
+    unique = results[modes[0]]["unique_bytes"]
+    materialized = unique.get("materialized", 0)
+    put_rate = min(r.get("put_bytes_per_s", float("inf")) for r in results.values())
+    floor = materialized / bandwidth + unique["media_bf16"] / put_rate
+    base = results[modes[0]]["packed_tensor_seconds"]
+    print(
+        f"PackedTensor share floor {floor:.3f} s: as_tensors=True outputs "
+        f"{materialized / 1e9:.3f} GB at {bandwidth / 1e9:.2f} GB/s, plus the unique media "
+        f"{unique['media_bf16'] / 1e9:.3f} GB into the store at Ray's put rate "
+        f"{put_rate / 1e9:.2f} GB/s; {modes[0]}'s share is {base / floor:.1f}x it; "
+        + ", ".join(
+            f"{m} {results[m]['packed_tensor_seconds'] / floor:.2f}x the floor" for m in modes
+        )
+    )
+
+
+def _print_store_ratio(results: dict[str, Any], modes: list[str], unique: dict[str, int]) -> None:
+    """Bytes written into the object store (the shards' own bytes plus the put-once media
+    chunks) against what the two shardings must carry at least: the unique media once and the
+    token tensors once per sharding; and against every row carrying its own media."""
+    shardings = 2
+    floor = unique["media_bf16"] + shardings * unique["tokens"]
+    no_dedup = shardings * (unique["media_bf16_logical"] + unique["tokens"])
+    for m in modes:
+        store = results[m].get("store") or {}
+        written = sum(results[m]["payload_bytes"]) + store.get("written", 0)
+        print(
+            f"into the object store, {m}: {written:,} B = {written / floor:.2f}x the unique "
+            f"media plus each sharding's token tensors ({floor:,} B); without deduplication "
+            f"{no_dedup:,} B, {no_dedup / written:.1f}x more"
+        )
 
 
 def main() -> int:

@@ -36,7 +36,8 @@ def installed() -> str | None:
 
 
 def accelerated() -> bool:
-    """Whether ``install(accelerate=True)`` replaced NeMo-RL's ``BatchedDataDict`` methods."""
+    """Whether ``install(accelerate=True)`` replaced NeMo-RL's ``BatchedDataDict`` methods and
+    its message-log flatten."""
     return _InstallState.accelerated
 
 
@@ -48,8 +49,10 @@ def install(*, accelerate: bool = False) -> str:
     references; the receiver reads them in place. Plain pickles are unchanged.
 
     ``accelerate=True`` also sets mmpack's versions of NeMo-RL's hot ``BatchedDataDict`` methods
-    (``mmpack.compat.nemo_rl.batched``); it needs NeMo-RL's ``batched_data_dict`` module to
-    import, and raises ``ImportError`` naming it otherwise.
+    (``mmpack.compat.nemo_rl.batched``) and of ``batched_message_log_to_flat_message``
+    (``mmpack.compat.nemo_rl.flat_messages``, rebound in every module that imported it by
+    name); it needs NeMo-RL's ``batched_data_dict`` and ``llm_message_utils`` modules to import,
+    and raises ``ImportError`` naming the one that did not.
 
     Idempotent: a second call returns the mode of the first without doing anything, except that
     ``accelerate=True`` adds the methods if the first call did not.
