@@ -626,6 +626,7 @@ def child(args: argparse.Namespace) -> None:
         checked = one_pass(fingerprint=True)
         result["digests"], result["payload_bytes"] = checked["digests"], checked["payload_bytes"]
         result["store"] = checked["store"]
+        result["unique_bytes"]["materialized"] = checked["unique_bytes"]["materialized"]
     result["peak_rss_bytes"] = _peak_rss()
     result["memcpy_bytes_per_s"] = memcpy_bandwidth()
     result["put_bytes_per_s"] = RAY.put_bandwidth(result["unique_bytes"]["media_bf16"])

@@ -263,7 +263,7 @@ def _select_bins(data: Mapping[str, Any], bins: list[list[int]], module: Any) ->
     for key in sorted(data):
         value = data[key]
         if torch.is_tensor(value):
-            shard[key] = value[index.to(value.device)]
+            shard[key] = value.index_select(0, index.to(value.device))
         elif isinstance(value, packed_cls):
             shard[key] = packed_cls.concat([value.slice(b) for b in bins])
         else:
@@ -284,6 +284,8 @@ def _shard_dynamic(
         return None
     if not torch.is_tensor(inputs) or inputs.ndim < 2:
         return None
+    if any(torch.is_tensor(v) and v.device.type != "cpu" for v in self.data.values()):
+        return None  # NeMo-RL's CPU index meets them in its own way
     lengths_list = lengths.tolist()
     order: list[int] = []
     for c in range(chunks):
@@ -293,16 +295,11 @@ def _shard_dynamic(
         for s in range(shards):
             order.extend(ranked[s::shards])
 
-    data: dict[str, Any] = {}
-    index = torch.IntTensor(order)
-    for key, value in self.data.items():
-        if torch.is_tensor(value):
-            data[key] = value.index_select(dim=0, index=index)
-        elif isinstance(value, packed_cls):
-            data[key] = value.slice(order)
-        else:
-            data[key] = [value[i] for i in order]
-
+    # NeMo-RL reorders every value by ``order`` and then copies each shard's ranges out of the
+    # reordered copy; a tensor's shard is the same rows selected from the source in one copy.
+    reordered = {
+        key: value.slice(order) for key, value in self.data.items() if isinstance(value, packed_cls)
+    }
     shard_size = batch_size // shards
     out = [module.SlicedDataDict() for _ in range(shards)]
     for s, shard in enumerate(out):
@@ -310,24 +307,21 @@ def _shard_dynamic(
             (c * batch_size + s * shard_size, c * batch_size + (s + 1) * shard_size)
             for c in range(chunks)
         ]
-        for key, value in data.items():
+        rows = [order[i] for lo, hi in ranges for i in range(lo, hi)]
+        index = torch.tensor(rows, dtype=torch.int64)
+        for key, value in self.data.items():
             if torch.is_tensor(value):
-                part = torch.empty(
-                    (shard_size * chunks, *value.shape[1:]), dtype=value.dtype, device=value.device
-                )
-                for r, (lo, hi) in enumerate(ranges):
-                    part[r * shard_size : (r + 1) * shard_size].copy_(value[lo:hi])
-                shard[key] = part
+                shard[key] = value.index_select(0, index.to(value.device))
             elif isinstance(value, packed_cls):
                 shard[key] = packed_cls.concat(
-                    [value.slice(list(range(lo, hi))) for lo, hi in ranges]
+                    [reordered[key].slice(list(range(lo, hi))) for lo, hi in ranges]
                 )
             else:
-                shard[key] = [value[i] for lo, hi in ranges for i in range(lo, hi)]
+                shard[key] = [value[i] for i in rows]
 
     cap = args["max_tokens_per_microbatch"]
     round_to = args["sequence_length_round"]
-    width = data[args["input_key"]].shape[1]
+    width = inputs.shape[1]
     shard_lengths = [shard[lengths_key].tolist() for shard in out]
     micro_indices = []
     micro_lengths = []
@@ -411,6 +405,9 @@ def _pad_rows(tensors: list[torch.Tensor], pad_value: Any) -> torch.Tensor:
         return _pad_sequence_of_rows(tensors, pad_value)
     # pad_sequence sees rows only: a tensor without rows does not widen the output
     width = max(int(t.shape[1]) for t in tensors if t.shape[0])
+    with_rows = [t for t in tensors if t.shape[0]]
+    if all(int(t.shape[1]) == width for t in with_rows):
+        return torch.cat(with_rows)  # nothing to pad: pad_sequence's rows one after the other
     out = tensors[0].new_full((rows, width), pad_value)
     start = 0
     for t in tensors:
