@@ -306,7 +306,8 @@ def test_lengths_rewritten_by_another_thread_during_pack_are_never_read() -> Non
                 p = pack(arr, 100, algorithm=algorithm, on_oversize="skip")
             except errors.MmpackError:
                 continue  # a consistent snapshot with oversize items is a fine outcome
-            assert int(p.bin_loads.max()) <= 100
+            # a snapshot taken while every length read 10**12 skips them all: no bins at all
+            assert p.bin_loads.size == 0 or int(p.bin_loads.max()) <= 100
     finally:
         stop.set()
         t.join()
