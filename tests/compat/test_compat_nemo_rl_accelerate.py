@@ -550,3 +550,56 @@ def test_uninstall_restores_the_flatten_everywhere() -> None:
             assert importer.batched_message_log_to_flat_message is plain
         finally:
             del sys.modules["nemo_rl_importer"]
+
+
+def test_fast_paths_leave_nemo_rls_edge_cases_to_nemo_rl() -> None:
+    with installed_standins():
+        messages = sys.modules["nemo_rl.data.llm_message_utils"]
+        plain_flatten = messages.batched_message_log_to_flat_message
+        # pad_sequence converts the pad value through a double: 2**53 + 1 pads as 2**53
+        batches = [
+            {"input_ids": torch.ones(1, 2, dtype=torch.int64)},
+            {"input_ids": torch.ones(1, 4, dtype=torch.int64)},
+        ]
+        pads = {"input_ids": 2**53 + 1}
+        theirs = ReferenceBatchedDataDict.from_batches(batches, pads)
+        # lengths compared as NeMo-RL compares them: a NaN capacity is refused, never passed
+        batch = train_batch(8, 5, 0)
+        nan_cap = {
+            "max_tokens_per_microbatch": float("nan"),
+            "sequence_length_round": 8,
+            "input_key": "input_ids",
+            "input_lengths_key": "input_lengths",
+        }
+        logs = message_logs(1, 3, False, False)
+        for log in logs:
+            for message in log:
+                message["token_ids"] = message["token_ids"].to(torch.uint16)
+        their_flat, _ = plain_flatten(logs, None, 1)
+        empty = ReferenceBatchedDataDict(
+            {"input_ids": torch.zeros(0, 3), "input_lengths": torch.zeros(0)}
+        )
+        pack = {
+            "max_tokens_per_microbatch": 8,
+            "input_key": "input_ids",
+            "input_lengths_key": "input_lengths",
+            "algorithm": "modified_first_fit_decreasing",
+            "sequence_length_pad_multiple": 1,
+        }
+        compat.install(accelerate=True)
+        ours = ReferenceBatchedDataDict.from_batches(batches, pads)
+        assert torch.equal(ours["input_ids"], theirs["input_ids"])
+        assert int(ours["input_ids"][0, 3]) == 2**53
+        calls = ReferenceBatchedDataDict.reference_calls
+        with pytest.raises(AssertionError):
+            batch.shard_by_batch_size(2, dynamic_batching_args=nan_cap)
+        assert ReferenceBatchedDataDict.reference_calls == calls + 1
+        # masked_scatter_ has no uint16 kernel: NeMo-RL's own path flattens it
+        our_flat, _ = messages.batched_message_log_to_flat_message(logs, None, 1)
+        assert torch.equal(our_flat["token_ids"].long(), their_flat["token_ids"].long())
+        assert our_flat["token_ids"].dtype == torch.uint16
+        # a batch without rows goes to NeMo-RL's method
+        calls = ReferenceBatchedDataDict.reference_calls
+        with pytest.raises((NotImplementedError, AssertionError, ZeroDivisionError, ValueError)):
+            empty.shard_by_batch_size(2, batch_size=0, sequence_packing_args=pack)
+        assert ReferenceBatchedDataDict.reference_calls == calls + 1

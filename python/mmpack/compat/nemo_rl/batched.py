@@ -145,6 +145,22 @@ _DYNAMIC_KEYS = (
 )
 
 
+_ORDERED = frozenset(
+    (
+        torch.bool,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+    )
+)
+
+
 def _has(args: Mapping[str, Any], keys: tuple[str, ...]) -> bool:
     return isinstance(args, Mapping) and all(k in args for k in keys)
 
@@ -175,7 +191,7 @@ def _shard(
         batch_size = total
     if not isinstance(batch_size, int) or not isinstance(shards, int):
         return None
-    if batch_size <= 0 or shards <= 0 or total % batch_size or batch_size % shards:
+    if total == 0 or batch_size <= 0 or shards <= 0 or total % batch_size or batch_size % shards:
         return None
     if packing_args is not None:
         return _shard_packing(self, module, shards, batch_size, total // batch_size, packing_args)
@@ -280,8 +296,8 @@ def _shard_dynamic(
     lengths_key = args["input_lengths_key"]
     lengths = self.data.get(lengths_key)
     inputs = self.data.get(args["input_key"])
-    if not torch.is_tensor(lengths) or lengths.ndim != 1:
-        return None
+    if not torch.is_tensor(lengths) or lengths.ndim != 1 or lengths.dtype not in _ORDERED:
+        return None  # NeMo-RL compares 0-dim tensors: other dtypes raise there
     if not torch.is_tensor(inputs) or inputs.ndim < 2:
         return None
     if any(torch.is_tensor(v) and v.device.type != "cpu" for v in self.data.values()):
@@ -333,7 +349,7 @@ def _shard_dynamic(
             # in NeMo-RL's order: 0, then each shard's length
             longest = max([0, *(lengths[c * shard_size + r] for lengths in shard_lengths)])
             longest = min((longest + round_to - 1) // round_to * round_to, width)
-            if longest > cap:
+            if not longest <= cap:  # NaN included
                 return None  # NeMo-RL refuses it with its own message
             longest_in_mb = max(longest_in_mb, longest)
             if (spans[-1][1] - spans[-1][0] + 1) * longest_in_mb <= cap:
@@ -408,14 +424,8 @@ def _pad_rows(tensors: list[torch.Tensor], pad_value: Any) -> torch.Tensor:
     with_rows = [t for t in tensors if t.shape[0]]
     if all(int(t.shape[1]) == width for t in with_rows):
         return torch.cat(with_rows)  # nothing to pad: pad_sequence's rows one after the other
-    out = tensors[0].new_full((rows, width), pad_value)
-    start = 0
-    for t in tensors:
-        n, w = int(t.shape[0]), int(t.shape[1])
-        if n:
-            out[start : start + n, :w].copy_(t)
-            start += n
-    return out
+    # pad_sequence converts the pad value its own way (a C double): let it pad
+    return _pad_sequence_of_rows(tensors, pad_value)
 
 
 def _pad_sequence_of_rows(tensors: list[torch.Tensor], pad_value: Any) -> torch.Tensor:

@@ -28,6 +28,23 @@ __all__ = ["LLM_MESSAGE_UTILS_MODULE", "accelerated_flatten"]
 LLM_MESSAGE_UTILS_MODULE = "nemo_rl.data.llm_message_utils"
 
 _TENSOR, _PACKED, _LIST = 0, 1, 2
+# dtypes masked_scatter_ copies (the unsigned wide, float8 and complex32 types have no kernel)
+_SCATTERED = frozenset(
+    (
+        torch.bool,
+        torch.uint8,
+        torch.int8,
+        torch.int16,
+        torch.int32,
+        torch.int64,
+        torch.float16,
+        torch.bfloat16,
+        torch.float32,
+        torch.float64,
+        torch.complex64,
+        torch.complex128,
+    )
+)
 
 
 def accelerated_flatten(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -169,6 +186,8 @@ def _stack(key: str, rows: list[_Row], max_len: int, pad: Any) -> torch.Tensor |
     first = parts[0]
     rest = first.shape[1:]
     dtype, device = first.dtype, first.device
+    if dtype not in _SCATTERED:
+        return None  # masked_scatter_ has no kernel for it
     for t in parts:
         if t.dtype != dtype or t.device != device or t.shape[1:] != rest or not _plain(t):
             return None  # promoted, refused or unstackable in NeMo-RL's own path
