@@ -71,6 +71,8 @@ GLOBAL_BATCH = 512
 MAX_TOKENS_PER_MICROBATCH = 8192
 # Enough for the largest shard; pages of the store the driver touches count in its memory.
 OBJECT_STORE_BYTES = 3 << 30
+# The share of the store touched at start (Ray keeps a little for itself).
+STORE_WARM_FRACTION = 0.9
 
 
 # ------------------------------------------------------------------------------- the batch
@@ -387,7 +389,16 @@ class _Ray:
     protocol 5 with out-of-band buffers) into shared memory, ``ray.get`` deserializes from it."""
 
     def start(self) -> None:
-        self._ray()
+        """Start Ray and touch every page of its object store once, as a training job's store
+        is after its first steps: the first write into a fresh store page costs a page fault
+        (measured here at about 0.5 GB/s against 9 GB/s into touched pages), which would
+        otherwise charge whichever stage writes first."""
+        import numpy as np
+
+        ray = self._ray()
+        warm = np.ones(int(OBJECT_STORE_BYTES * STORE_WARM_FRACTION), dtype=np.uint8)
+        ref = ray.put(warm)
+        del ref, warm
 
     def _ray(self) -> Any:
         import ray

@@ -15,9 +15,11 @@ NeMo-RL's pickles safely.
 ``install()`` returns which of the two it did (``"patched"`` or ``"shim"``); ``uninstall()``
 undoes it. ``install(accelerate=True)`` (NeMo-RL installed, off by default) also replaces NeMo-RL's
 hot ``BatchedDataDict`` methods (``repeat_interleave``, ``shard_by_batch_size``, ``from_batches``:
-``mmpack.compat.nemo_rl.batched``) and ``batched_message_log_to_flat_message``
-(``mmpack.compat.nemo_rl.flat_messages``) with faster ones that give the same results and fall
-back to NeMo-RL's own outside their fast paths; ``accelerated()`` tells whether they are in place.
+``mmpack.compat.nemo_rl.batched``), its pickling while Ray serializes it (plain tensors as
+out-of-band bytes: ``mmpack.compat.nemo_rl.ray_tensors``) and
+``batched_message_log_to_flat_message`` (``mmpack.compat.nemo_rl.flat_messages``) with faster
+ones that give the same results and fall back to NeMo-RL's own outside their fast paths;
+``accelerated()`` tells whether they are in place.
 
 ``loads(data)`` / ``load(file)`` read pickles written by NeMo-RL (``pickle``, ``cloudpickle`` or
 ``torch.save``) into mmpack objects, without ``nemo_rl`` installed and without ``install()``,
@@ -29,8 +31,8 @@ restricted loader, ``mmpack.safe_load``, re-exported here): any other global rai
 :class:`mmpack.errors.PickleTooLargeError`.
 
 Rooms: ``install`` (``install`` / ``uninstall`` / ``installed`` / ``accelerated``), ``packing``
-(NeMo-RL's packer API over ``mmpack.packing``), ``batched``, ``flat_messages`` and ``deepcopy``
-(the accelerations).
+(NeMo-RL's packer API over ``mmpack.packing``), ``batched``, ``ray_tensors``, ``flat_messages``
+and ``deepcopy`` (the accelerations).
 """
 
 from mmpack.compat.nemo_rl.install import (

@@ -49,7 +49,9 @@ def install(*, accelerate: bool = False) -> str:
     references; the receiver reads them in place. Plain pickles are unchanged.
 
     ``accelerate=True`` also sets mmpack's versions of NeMo-RL's hot ``BatchedDataDict`` methods
-    (``mmpack.compat.nemo_rl.batched``) and of ``batched_message_log_to_flat_message``
+    (``mmpack.compat.nemo_rl.batched``), its reduction for Ray, which sends plain tensors as
+    out-of-band bytes (``mmpack.compat.nemo_rl.ray_tensors``), and
+    ``batched_message_log_to_flat_message``
     (``mmpack.compat.nemo_rl.flat_messages``, rebound in every module that imported it by
     name); it needs NeMo-RL's ``batched_data_dict`` and ``llm_message_utils`` modules to import,
     and raises ``ImportError`` naming the one that did not.
@@ -69,10 +71,13 @@ def install(*, accelerate: bool = False) -> str:
     if batched is not None:
         from mmpack.compat.nemo_rl.batched import accelerated_methods
         from mmpack.compat.nemo_rl.flat_messages import accelerated_flatten
+        from mmpack.compat.nemo_rl.ray_tensors import accelerated_reduce
 
         batched_module, messages_module = batched
-        for name, method in accelerated_methods(batched_module.BatchedDataDict).items():
-            _set(batched_module.BatchedDataDict, name, method)
+        cls = batched_module.BatchedDataDict
+        for name, method in accelerated_methods(cls).items():
+            _set(cls, name, method)
+        _set(cls, "__reduce_ex__", accelerated_reduce(cls))
         name = "batched_message_log_to_flat_message"
         original = getattr(messages_module, name)
         _set_everywhere(messages_module, name, original, accelerated_flatten(original))
