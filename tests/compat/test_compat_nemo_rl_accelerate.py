@@ -559,3 +559,72 @@ def test_fast_paths_leave_nemo_rls_edge_cases_to_nemo_rl() -> None:
         with pytest.raises((NotImplementedError, AssertionError, ZeroDivisionError, ValueError)):
             empty.shard_by_batch_size(2, batch_size=0, sequence_packing_args=pack)
         assert ReferenceBatchedDataDict.reference_calls == calls + 1
+
+
+def test_rarer_inputs_get_nemo_rls_layout_and_errors() -> None:
+    with installed_standins():
+        messages = sys.modules["nemo_rl.data.llm_message_utils"]
+        plain_flatten = messages.batched_message_log_to_flat_message
+        # 4-D message tensors in channels_last: NeMo-RL's own cat and stack lay them out
+        logs = [
+            [
+                {
+                    "role": "user",
+                    "frames": torch.randn(2 + r, 3, 4, 5).to(memory_format=torch.channels_last),
+                }
+            ]
+            for r in range(2)
+        ]
+        their_flat, _ = plain_flatten(logs, None, 1)
+        batch = train_batch(8, 5, 0)
+        batch["frames"] = torch.randn(8, 3, 2, 2).to(memory_format=torch.channels_last)
+        packing = {
+            "max_tokens_per_microbatch": 64,
+            "input_key": "input_ids",
+            "input_lengths_key": "input_lengths",
+            "algorithm": "modified_first_fit_decreasing",
+            "sequence_length_pad_multiple": 1,
+        }
+        their_shards, _ = batch.shard_by_batch_size(2, sequence_packing_args=packing)
+        no_cap = {
+            "max_tokens_per_microbatch": None,
+            "sequence_length_round": 8,
+            "input_key": "input_ids",
+            "input_lengths_key": "input_lengths",
+        }
+        with pytest.raises(TypeError) as theirs:
+            train_batch(8, 5, 0).shard_by_batch_size(2, dynamic_batching_args=no_cap)
+        compat.install(accelerate=True)
+        our_flat, _ = messages.batched_message_log_to_flat_message(logs, None, 1)
+        assert our_flat["frames"].stride() == their_flat["frames"].stride()
+        assert torch.equal(our_flat["frames"], their_flat["frames"])
+        our_shards, _ = batch.shard_by_batch_size(2, sequence_packing_args=packing)
+        for ours, want in zip(our_shards, their_shards, strict=True):
+            assert ours["frames"].stride() == want["frames"].stride()
+            assert torch.equal(ours["frames"], want["frames"])
+        calls = ReferenceBatchedDataDict.reference_calls
+        with pytest.raises(TypeError) as mine:
+            train_batch(8, 5, 0).shard_by_batch_size(2, dynamic_batching_args=no_cap)
+        assert str(mine.value) == str(theirs.value)
+        assert ReferenceBatchedDataDict.reference_calls == calls + 1
+        meta = train_batch(8, 5, 0)
+        meta["input_lengths"] = meta["input_lengths"].to("meta")
+        calls = ReferenceBatchedDataDict.reference_calls
+        with pytest.raises((RuntimeError, NotImplementedError)):
+            meta.shard_by_batch_size(2, sequence_packing_args=packing)
+        assert ReferenceBatchedDataDict.reference_calls == calls + 1
+
+
+def test_a_module_importing_the_flatten_after_install_gets_nemo_rls_back() -> None:
+    with installed_standins():
+        messages = sys.modules["nemo_rl.data.llm_message_utils"]
+        plain = messages.batched_message_log_to_flat_message
+        compat.install(accelerate=True)
+        late = types.ModuleType("nemo_rl_late_importer")
+        late.batched_message_log_to_flat_message = messages.batched_message_log_to_flat_message  # type: ignore[attr-defined]
+        sys.modules["nemo_rl_late_importer"] = late
+        try:
+            compat.uninstall()
+            assert late.batched_message_log_to_flat_message is plain  # type: ignore[attr-defined]
+        finally:
+            del sys.modules["nemo_rl_late_importer"]

@@ -182,6 +182,8 @@ def _shard(
     data = self.data
     if not data or not all(isinstance(k, str) for k in data):
         return None
+    if any(torch.is_tensor(v) and v.ndim >= 4 for v in data.values()):
+        return None  # memory formats (channels_last) come out of NeMo-RL's stacking its own way
     sizes = {_rows(v, packed_cls) for v in data.values()}
     if len(sizes) != 1 or None in sizes:
         return None
@@ -215,7 +217,7 @@ def _shard_packing(
     lengths = self.data[args["input_lengths_key"]]
     if not torch.is_tensor(lengths):
         lengths = torch.tensor(lengths)
-    if lengths.ndim != 1:
+    if lengths.ndim != 1 or lengths.is_meta:
         return None
     lengths_list = lengths.tolist()
     multiple = args["sequence_length_pad_multiple"]
@@ -337,6 +339,8 @@ def _shard_dynamic(
 
     cap = args["max_tokens_per_microbatch"]
     round_to = args["sequence_length_round"]
+    if not all(type(v) in (int, float) for v in (cap, round_to)):
+        return None  # NeMo-RL's arithmetic meets them with its own error
     width = inputs.shape[1]
     shard_lengths = [shard[lengths_key].tolist() for shard in out]
     micro_indices = []

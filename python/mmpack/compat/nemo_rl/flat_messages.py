@@ -18,6 +18,7 @@ runs NeMo-RL's own function, so its result and its error are NeMo-RL's by constr
 from __future__ import annotations
 
 import importlib
+import operator
 from collections.abc import Callable
 from typing import Any
 
@@ -66,8 +67,11 @@ def accelerated_flatten(original: Callable[..., Any]) -> Callable[..., Any]:
     return batched_message_log_to_flat_message
 
 
-def _plain(t: torch.Tensor) -> bool:
-    return t.layout == torch.strided and not t.requires_grad
+_FLAGS = operator.attrgetter("dtype", "device", "layout", "requires_grad")
+
+
+def _trailing(t: torch.Tensor) -> Any:
+    return t.shape[1:]
 
 
 class _Row:
@@ -185,12 +189,14 @@ def _stack(key: str, rows: list[_Row], max_len: int, pad: Any) -> torch.Tensor |
             row_lengths.append(row.lengths[key])
     first = parts[0]
     rest = first.shape[1:]
-    dtype, device = first.dtype, first.device
+    dtype, device, layout, requires_grad = _FLAGS(first)
     if dtype not in _SCATTERED:
         return None  # masked_scatter_ has no kernel for it
-    for t in parts:
-        if t.dtype != dtype or t.device != device or t.shape[1:] != rest or not _plain(t):
-            return None  # promoted, refused or unstackable in NeMo-RL's own path
+    if layout is not torch.strided or requires_grad or len(rest) >= 3:
+        return None  # refused, or (channels_last) laid out NeMo-RL's own way there
+    # whole-list passes in C: the batch holds a tensor a message a key
+    if len(set(map(_FLAGS, parts))) != 1 or len(set(map(_trailing, parts))) != 1:
+        return None  # promoted, refused or unstackable in NeMo-RL's own path
     if rest and missing:
         return None  # a row without the key is a 1-D zeros tensor there, which cannot stack
     shape = (len(rows), max_len, *rest)

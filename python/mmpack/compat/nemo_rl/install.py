@@ -28,6 +28,9 @@ class _InstallState:
     # (module or class, attribute name, previous value)
     patched: list[tuple[types.ModuleType | type, str, Any]] = []  # noqa: RUF012
     shim_modules: list[str] = []  # noqa: RUF012
+    # (replacement, original) of functions only mmpack made: a module that imported one by
+    # name after install() gets the original back at uninstall() too
+    own_functions: list[tuple[Any, Any]] = []  # noqa: RUF012
 
 
 def installed() -> str | None:
@@ -80,7 +83,9 @@ def install(*, accelerate: bool = False) -> str:
         _set(cls, "__reduce_ex__", accelerated_reduce(cls))
         name = "batched_message_log_to_flat_message"
         original = getattr(messages_module, name)
-        _set_everywhere(messages_module, name, original, accelerated_flatten(original))
+        flatten = accelerated_flatten(original)
+        _set_everywhere(messages_module, name, original, flatten)
+        _InstallState.own_functions.append((flatten, original))
         _InstallState.accelerated = True
     assert _InstallState.mode is not None
     return _InstallState.mode
@@ -154,6 +159,17 @@ def _set_everywhere(module: types.ModuleType, name: str, original: Any, replacem
                 _set(other, attr, replacement)
 
 
+def _rebind_everywhere(replacement: Any, original: Any) -> None:
+    """Set every imported module's attribute that *is* ``replacement`` back to ``original``."""
+    for module in list(sys.modules.values()):
+        namespace = getattr(module, "__dict__", None)
+        if not isinstance(module, types.ModuleType) or not isinstance(namespace, dict):
+            continue
+        for attr, value in list(namespace.items()):
+            if value is replacement:
+                setattr(module, attr, original)
+
+
 def _set(owner: types.ModuleType | type, name: str, value: Any) -> None:
     """Set ``owner.name`` (a module's or a class's own attribute), remembering what it was."""
     _InstallState.patched.append((owner, name, owner.__dict__.get(name, _MISSING)))
@@ -172,8 +188,11 @@ def uninstall() -> None:
                 delattr(owner, name)
         else:
             setattr(owner, name, previous)
+    for replacement, original in _InstallState.own_functions:
+        _rebind_everywhere(replacement, original)
     for name in reversed(_InstallState.shim_modules):
         sys.modules.pop(name, None)
+    _InstallState.own_functions = []
     _InstallState.patched = []
     _InstallState.shim_modules = []
     _InstallState.mode = None

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import inspect
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import torch
@@ -51,7 +51,7 @@ def accelerated_reduce(batched_data_dict: type) -> Any:
         data = getattr(self, "data", None)
         if not isinstance(state, dict) or type(data) is not dict or state.get("data") is not data:
             return reduced
-        sent = _as_bytes(data)
+        sent = _as_bytes(cast(dict[Any, Any], data))
         if sent is None:
             return reduced
         return (*reduced[:2], {**state, "data": sent}, *reduced[3:])
@@ -123,7 +123,7 @@ def _candidate(value: Any) -> bool:
     if not bufferable(value):
         return False
     t: torch.Tensor = value
-    return (
+    return bool(
         t.numel() != 0
         and t.is_contiguous()
         and t.storage_offset() == 0
