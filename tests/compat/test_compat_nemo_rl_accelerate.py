@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import sys
 import types
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -628,3 +629,143 @@ def test_a_module_importing_the_flatten_after_install_gets_nemo_rls_back() -> No
             assert late.batched_message_log_to_flat_message is plain  # type: ignore[attr-defined]
         finally:
             del sys.modules["nemo_rl_late_importer"]
+
+
+def outcome(call: Any) -> Any:
+    """What a call gives, comparable across the plain and the accelerated versions: its error's
+    type and message, or every tensor of its result (repr, dtype, strides)."""
+    try:
+        result = call()
+    except Exception as exc:
+        return ("raised", type(exc), str(exc))
+    shards = result[0] if isinstance(result, tuple) else [result]
+    return [
+        [(key, repr(v), v.dtype, v.stride()) for key, v in shard.items() if torch.is_tensor(v)]
+        for shard in shards
+    ]
+
+
+@pytest.mark.parametrize(
+    ("dtype", "pad"),
+    [
+        (torch.uint8, -1),
+        (torch.int8, 1000),
+        (torch.int64, float("nan")),
+        (torch.int64, 1e30),
+        (torch.int32, None),
+        (torch.float32, "a"),
+    ],
+)
+def test_stacking_with_nothing_to_pad_still_refuses_a_pad_the_dtype_cannot_hold(
+    dtype: torch.dtype, pad: Any
+) -> None:
+    batches = [{"x": torch.ones(2, 3, dtype=dtype)}, {"x": torch.ones(1, 3, dtype=dtype)}]
+    with installed_standins():
+        theirs = outcome(lambda: ReferenceBatchedDataDict.from_batches(batches, {"x": pad}))
+        compat.install(accelerate=True)
+        ours = outcome(lambda: ReferenceBatchedDataDict.from_batches(batches, {"x": pad}))
+    assert theirs[0] == "raised"
+    assert ours == theirs
+
+
+ODD_KINDS = ["quantized", "sparse", "bits8", "uint16", "float8_e8m0fnu", "float8_e4m3fn"]
+
+
+def odd_tensors(rows: int) -> dict[str, torch.Tensor]:
+    """Values NeMo-RL's indexing and pad_sequence meet in their own ways (most refuse them)."""
+    plain = torch.arange(rows * 3, dtype=torch.uint8).view(rows, 3)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # quantized dtypes are deprecated, and still accepted
+        quantized = torch.quantize_per_tensor(plain.float(), 0.5, 0, torch.quint8)
+    odd = {
+        "quantized": quantized,
+        "sparse": plain.float().to_sparse(),
+        "bits8": plain.view(torch.bits8),
+        "uint16": plain.to(torch.uint16),
+    }
+    for name in ("float8_e8m0fnu", "float8_e4m3fn"):
+        odd[name] = plain.view(getattr(torch, name))
+    return odd
+
+
+@pytest.mark.parametrize("kind", ODD_KINDS)
+def test_odd_dtypes_and_layouts_go_to_nemo_rls_own_code(kind: str) -> None:
+    packing = {
+        "max_tokens_per_microbatch": 64,
+        "input_key": "input_ids",
+        "input_lengths_key": "input_lengths",
+        "algorithm": "modified_first_fit_decreasing",
+        "sequence_length_pad_multiple": 1,
+    }
+    dynamic = {
+        "max_tokens_per_microbatch": 64,
+        "sequence_length_round": 8,
+        "input_key": "input_ids",
+        "input_lengths_key": "input_lengths",
+    }
+    with installed_standins():
+        batch = train_batch(8, 5, 0)
+        batch[kind] = odd_tensors(8)[kind]
+        value = odd_tensors(3)[kind]
+        if kind == "sparse":
+            parts = [{"v": value}, {"v": value}]
+        else:
+            parts = [{"v": value[:2]}, {"v": value[2:]}]
+
+        def calls() -> list[Any]:
+            return [
+                lambda: batch.shard_by_batch_size(2, sequence_packing_args=packing),
+                lambda: batch.shard_by_batch_size(2, dynamic_batching_args=dynamic),
+                lambda: ReferenceBatchedDataDict.from_batches(parts),
+            ]
+
+        theirs = [outcome(call) for call in calls()]
+        compat.install(accelerate=True)
+        before = ReferenceBatchedDataDict.reference_calls
+        ours = [outcome(call) for call in calls()]
+    assert ReferenceBatchedDataDict.reference_calls == before + 2  # both shardings fell back
+    assert ours == theirs
+
+
+def test_uninstall_gives_nemo_rls_class_back_to_nemo_rl_modules_imported_meanwhile() -> None:
+    with installed_standins():
+        original = sys.modules["nemo_rl.data.multimodal_utils"].PackedTensor
+        compat.install()
+        late = types.ModuleType("nemo_rl.utils.late_metrics")
+        late.PackedTensor = sys.modules["nemo_rl.data.multimodal_utils"].PackedTensor  # type: ignore[attr-defined]
+        user = types.ModuleType("training_script")
+        user.PackedTensor = mmpack.PackedTensor  # type: ignore[attr-defined]
+        sys.modules.update({late.__name__: late, user.__name__: user})
+        try:
+            assert late.PackedTensor is mmpack.PackedTensor  # type: ignore[attr-defined]
+            compat.uninstall()
+            assert late.PackedTensor is original  # type: ignore[attr-defined]
+            # a module outside NeMo-RL that imported mmpack's class keeps it
+            assert user.PackedTensor is mmpack.PackedTensor  # type: ignore[attr-defined]
+        finally:
+            del sys.modules[late.__name__], sys.modules[user.__name__]
+
+
+def test_installs_and_uninstalls_from_many_threads_leave_nothing_behind() -> None:
+    import threading
+
+    with installed_standins():
+        batched = sys.modules["nemo_rl.distributed.batched_data_dict"]
+        plain = dict(vars(batched.BatchedDataDict))
+        torchs = torch.Tensor.__dict__["__reduce_ex__"]
+        start = threading.Barrier(8)
+
+        def churn() -> None:
+            start.wait()
+            for _ in range(20):
+                compat.install(accelerate=True)
+                compat.uninstall()
+
+        threads = [threading.Thread(target=churn) for _ in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert compat.installed() is None
+        assert dict(vars(batched.BatchedDataDict)) == plain
+        assert torch.Tensor.__dict__["__reduce_ex__"] is torchs

@@ -1,7 +1,7 @@
-"""``install(accelerate=True)`` sends a ``BatchedDataDict``'s plain tensors through Ray's object
-store as out-of-band bytes (``mmpack.compat.nemo_rl.ray_tensors``). What comes back must be what
-torch's own pickling gives through the same store, value by value: the oracle is the same dict
-sent with the accelerations off."""
+"""``install(accelerate=True)`` sends plain tensors (a ``BatchedDataDict``'s among them) through
+Ray's object store as out-of-band bytes (``mmpack.compat.nemo_rl.ray_tensors``). What comes back
+must be what torch's own pickling gives through the same store, value by value, identities
+included: the oracle is the same value sent with the accelerations off."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import mmpack
+import numpy as np
 import pytest
 import ray
 import torch
@@ -62,6 +63,13 @@ def every_kind_of_value() -> ReferenceSlicedDataDict:
     values["view_head"] = base[:10]  # a view into a larger storage: torch sends all of it
     values["view_tail"] = base[30:]
     values["transposed"] = torch.arange(12).view(3, 4).t()
+    # contiguous by is_contiguous (it ignores size-1 dimensions), with other strides
+    values["row_transposed"] = torch.arange(4.0).reshape(1, 4).t()
+    values["column_transposed"] = torch.arange(4.0).reshape(4, 1).t()
+    values["permuted"] = torch.randn(1, 5, 4, generator=gen).permute(1, 0, 2)
+    values["one_channel_last"] = torch.randn(2, 1, 3, 3, generator=gen).to(
+        memory_format=torch.channels_last
+    )
     values["empty"] = torch.empty(0, 5)
     values["grad"] = torch.ones(3, requires_grad=True)
     values["subclass"] = torch.arange(4).as_subclass(Marked)
@@ -74,12 +82,13 @@ def every_kind_of_value() -> ReferenceSlicedDataDict:
     shared = torch.arange(6)
     values["same_a"] = shared
     values["same_b"] = shared
-    values["nested"] = [torch.arange(3), {"deep": torch.ones(2)}]
+    values["nested"] = [torch.arange(3), {"deep": torch.ones(2)}, shared]
     values["strings"] = ["a", "b"]
     values["packed"] = mmpack.PackedTensor([torch.arange(4.0), torch.arange(2.0)], dim_to_pack=0)
     out = ReferenceSlicedDataDict(values)
     out.micro_batch_indices = [[[0, 3]]]
     out.micro_batch_lengths = [[8]]
+    out.extra = shared  # type: ignore[attr-defined]
     return out
 
 
@@ -120,7 +129,17 @@ def assert_same_received(expected: Any, got: Any) -> None:
             assert torch.equal(have[0], want[0]) and torch.equal(have[1]["deep"], want[1]["deep"])
         else:
             assert have == want, key
-    assert (got["same_a"] is got["same_b"]) == (expected["same_a"] is expected["same_b"])
+    assert_same_identities(expected, got)
+
+
+def identities(value: ReferenceSlicedDataDict) -> list[bool]:
+    """Which references to the one shared tensor arrive as one object."""
+    shared = value["same_a"]
+    return [value["same_b"] is shared, value["nested"][2] is shared, value.extra is shared]  # type: ignore[attr-defined]
+
+
+def assert_same_identities(expected: ReferenceSlicedDataDict, got: ReferenceSlicedDataDict) -> None:
+    assert identities(got) == identities(expected)
 
 
 def test_every_value_comes_back_as_torch_pickling_gives_it(standins: None) -> None:
@@ -130,6 +149,28 @@ def test_every_value_comes_back_as_torch_pickling_gives_it(standins: None) -> No
     assert_same_received(oracle, through_store(value))
 
 
+def test_one_tensor_stays_one_object_across_the_values_of_one_put(standins: None) -> None:
+    shared = torch.arange(8)
+    first = ReferenceBatchedDataDict({"ids": shared})
+    second = ReferenceBatchedDataDict({"ids": shared, "nested": [shared]})
+    value = (first, second, {"sibling": shared}, shared)
+
+    def shape(received: Any) -> list[bool]:
+        one = received[0]["ids"]
+        return [
+            received[1]["ids"] is one,
+            received[1]["nested"][0] is one,
+            received[2]["sibling"] is one,
+            received[3] is one,
+        ]
+
+    oracle = shape(through_store(value))
+    compat.install(accelerate=True)
+    got = through_store(value)
+    assert shape(got) == oracle == [True, True, True, True]
+    assert torch.equal(got[0]["ids"], shared)
+
+
 def test_the_byte_path_is_taken_for_plain_tensors_only(standins: None) -> None:
     context = global_worker.get_serialization_context()
     plain = ReferenceBatchedDataDict({"input_ids": torch.arange(1 << 16)})
@@ -137,9 +178,28 @@ def test_the_byte_path_is_taken_for_plain_tensors_only(standins: None) -> None:
     compat.install(accelerate=True)
     after = context.serialize(plain).to_bytes()
     assert b"tensor_from_bytes" in after and b"tensor_from_bytes" not in before
+    # a bare tensor too: the reduction is the tensor's own
+    assert b"tensor_from_bytes" in context.serialize(torch.arange(1 << 16)).to_bytes()
     # a value that keeps torch's pickling is written the way it was
     graded = ReferenceBatchedDataDict({"grad": torch.ones(4, requires_grad=True)})
     assert b"tensor_from_bytes" not in context.serialize(graded).to_bytes()
+
+
+def test_a_serializer_registered_with_ray_for_tensors_comes_first(standins: None) -> None:
+    compat.install(accelerate=True)
+    calls = []
+
+    def serialize(t: torch.Tensor) -> list[float]:
+        calls.append(t)
+        return [42.0] * t.numel()
+
+    ray.util.register_serializer(torch.Tensor, serializer=serialize, deserializer=torch.tensor)
+    try:
+        got = through_store(ReferenceBatchedDataDict({"x": torch.arange(4.0)}))
+    finally:
+        ray.util.deregister_serializer(torch.Tensor)
+    assert len(calls) == 1
+    assert got["x"].tolist() == [42.0] * 4
 
 
 def test_received_tensors_are_private_writable_and_resizable(standins: None) -> None:
@@ -160,10 +220,12 @@ def test_plain_pickles_are_unchanged(standins: None) -> None:
     assert pickle.dumps(value, protocol=5) == before
 
 
-def test_uninstall_restores_the_class_reduction(standins: None) -> None:
+def test_uninstall_restores_torchs_reduction(standins: None) -> None:
+    torchs = torch.Tensor.__dict__["__reduce_ex__"]
     compat.install(accelerate=True)
-    assert "__reduce_ex__" in ReferenceBatchedDataDict.__dict__
+    assert torch.Tensor.__dict__["__reduce_ex__"] is not torchs
     compat.uninstall()
+    assert torch.Tensor.__dict__["__reduce_ex__"] is torchs
     assert "__reduce_ex__" not in ReferenceBatchedDataDict.__dict__
 
 
@@ -199,6 +261,10 @@ def test_a_worker_receives_the_same_tensors(standins: None) -> None:
         ((torch.arange(4).numpy().view("uint8"), "int64", (-1, 4)), "malformed"),
         ((b"\x00" * 8, "int64", (1,)), "malformed"),
         ((torch.arange(4).numpy().view("uint8"), "int64", [4]), "malformed"),
+        # every other byte: a strided array would be read as if contiguous
+        ((np.arange(16, dtype=np.uint8)[::2], "uint8", (8,)), "malformed"),
+        # refused before anything is allocated
+        ((np.zeros(8, dtype=np.uint8), "int64", (1 << 40, 1 << 20)), "needs"),
     ],
 )
 def test_corrupt_tensor_bytes_are_refused_by_name(args: tuple[Any, ...], message: str) -> None:

@@ -15,8 +15,8 @@ NeMo-RL's pickles safely.
 ``install()`` returns which of the two it did (``"patched"`` or ``"shim"``); ``uninstall()``
 undoes it. ``install(accelerate=True)`` (NeMo-RL installed, off by default) also replaces NeMo-RL's
 hot ``BatchedDataDict`` methods (``repeat_interleave``, ``shard_by_batch_size``, ``from_batches``:
-``mmpack.compat.nemo_rl.batched``), its pickling while Ray serializes it (plain tensors as
-out-of-band bytes: ``mmpack.compat.nemo_rl.ray_tensors``) and
+``mmpack.compat.nemo_rl.batched``), torch's pickling of plain tensors while Ray serializes
+them (out-of-band bytes: ``mmpack.compat.nemo_rl.ray_tensors``) and
 ``batched_message_log_to_flat_message`` (``mmpack.compat.nemo_rl.flat_messages``) with faster
 ones that give the same results and fall back to NeMo-RL's own outside their fast paths;
 ``accelerated()`` tells whether they are in place.

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from mmpack.compat.nemo_rl.deepcopy import deepcopy
+from mmpack.packed.pickle_operation import BUFFER_DTYPES
 
 __all__ = ["BATCHED_DATA_DICT_MODULE", "accelerated_methods"]
 
@@ -161,6 +162,14 @@ _ORDERED = frozenset(
 )
 
 
+def _selectable(t: torch.Tensor) -> bool:
+    """A tensor whose ``index_select`` and ``torch.cat`` are NeMo-RL's indexing and stacking: a
+    strided tensor of the common dtypes (the bit-packed, quantized and scaling dtypes, and sparse
+    layouts, fail there in their own ways) of rank 3 at most (memory formats such as
+    channels_last come out of NeMo-RL's stacking its own way)."""
+    return t.dtype in BUFFER_DTYPES and t.layout is torch.strided and t.ndim <= 3
+
+
 def _has(args: Mapping[str, Any], keys: tuple[str, ...]) -> bool:
     return isinstance(args, Mapping) and all(k in args for k in keys)
 
@@ -182,8 +191,8 @@ def _shard(
     data = self.data
     if not data or not all(isinstance(k, str) for k in data):
         return None
-    if any(torch.is_tensor(v) and v.ndim >= 4 for v in data.values()):
-        return None  # memory formats (channels_last) come out of NeMo-RL's stacking its own way
+    if not all(_selectable(v) for v in data.values() if torch.is_tensor(v)):
+        return None
     sizes = {_rows(v, packed_cls) for v in data.values()}
     if len(sizes) != 1 or None in sizes:
         return None
@@ -397,7 +406,7 @@ def _from_batches(
             stacked[key] = [x for part in values for x in part]
         elif isinstance(first, packed_cls):
             stacked[key] = packed_cls.concat(values)
-        elif not all(torch.is_tensor(v) for v in values):
+        elif not all(torch.is_tensor(v) and _selectable(v) for v in values):
             return None
         elif all(v.ndim == 1 for v in values):
             stacked[key] = torch.cat(values)
@@ -410,10 +419,7 @@ def _from_batches(
 
 def _same_kind(tensors: list[torch.Tensor]) -> bool:
     first = tensors[0]
-    return all(
-        t.dtype == first.dtype and t.device == first.device and t.layout == torch.strided
-        for t in tensors
-    )
+    return all(t.dtype == first.dtype and t.device == first.device for t in tensors)
 
 
 def _pad_rows(tensors: list[torch.Tensor], pad_value: Any) -> torch.Tensor:
@@ -427,7 +433,10 @@ def _pad_rows(tensors: list[torch.Tensor], pad_value: Any) -> torch.Tensor:
     width = max(int(t.shape[1]) for t in tensors if t.shape[0])
     with_rows = [t for t in tensors if t.shape[0]]
     if all(int(t.shape[1]) == width for t in with_rows):
-        return torch.cat(with_rows)  # nothing to pad: pad_sequence's rows one after the other
+        # Nothing to pad, but pad_sequence converts the pad value into the dtype all the same
+        # (its output is a new_full): one row of it meets a bad value with pad_sequence's error.
+        _pad_sequence_of_rows([with_rows[0][:1]], pad_value)
+        return torch.cat(with_rows)  # pad_sequence's rows one after the other
     # pad_sequence converts the pad value its own way (a C double): let it pad
     return _pad_sequence_of_rows(tensors, pad_value)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+import threading
 import types
 from typing import Any
 
@@ -21,6 +22,10 @@ __all__ = [
 NEMO_RL_CLASS_PATH = f"{NEMO_RL_MODULE}.PackedTensor"
 
 
+# install() and uninstall() patch and restore in steps: two threads must not interleave them
+_LOCK = threading.Lock()
+
+
 class _InstallState:
     mode: str | None = None
     store_was_on: bool = False
@@ -28,9 +33,9 @@ class _InstallState:
     # (module or class, attribute name, previous value)
     patched: list[tuple[types.ModuleType | type, str, Any]] = []  # noqa: RUF012
     shim_modules: list[str] = []  # noqa: RUF012
-    # (replacement, original) of functions only mmpack made: a module that imported one by
-    # name after install() gets the original back at uninstall() too
-    own_functions: list[tuple[Any, Any]] = []  # noqa: RUF012
+    # (replacement, original, module prefix): a module under the prefix that imported the
+    # replacement by name after install() gets the original back at uninstall() too
+    rebinds: list[tuple[Any, Any, str]] = []  # noqa: RUF012
 
 
 def installed() -> str | None:
@@ -52,16 +57,21 @@ def install(*, accelerate: bool = False) -> str:
     references; the receiver reads them in place. Plain pickles are unchanged.
 
     ``accelerate=True`` also sets mmpack's versions of NeMo-RL's hot ``BatchedDataDict`` methods
-    (``mmpack.compat.nemo_rl.batched``), its reduction for Ray, which sends plain tensors as
-    out-of-band bytes (``mmpack.compat.nemo_rl.ray_tensors``), and
-    ``batched_message_log_to_flat_message``
+    (``mmpack.compat.nemo_rl.batched``), a tensor reduction for Ray, which sends plain tensors
+    as out-of-band bytes (``mmpack.compat.nemo_rl.ray_tensors``; every receiving process needs
+    mmpack), and ``batched_message_log_to_flat_message``
     (``mmpack.compat.nemo_rl.flat_messages``, rebound in every module that imported it by
     name); it needs NeMo-RL's ``batched_data_dict`` and ``llm_message_utils`` modules to import,
     and raises ``ImportError`` naming the one that did not.
 
     Idempotent: a second call returns the mode of the first without doing anything, except that
-    ``accelerate=True`` adds the methods if the first call did not.
+    ``accelerate=True`` adds the methods if the first call did not. Thread-safe.
     """
+    with _LOCK:
+        return _install(accelerate)
+
+
+def _install(accelerate: bool) -> str:
     # Import NeMo-RL's module before changing anything, so that a failure changes nothing.
     batched = _batched_data_dict_module() if accelerate and not _InstallState.accelerated else None
     if _InstallState.mode is None:
@@ -72,20 +82,23 @@ def install(*, accelerate: bool = False) -> str:
         _InstallState.store_was_on = ray_store.enabled()
         ray_store.enable(True)
     if batched is not None:
+        import torch
+
         from mmpack.compat.nemo_rl.batched import accelerated_methods
         from mmpack.compat.nemo_rl.flat_messages import accelerated_flatten
-        from mmpack.compat.nemo_rl.ray_tensors import accelerated_reduce
+        from mmpack.compat.nemo_rl.ray_tensors import accelerated_tensor_reduce
 
         batched_module, messages_module = batched
         cls = batched_module.BatchedDataDict
         for name, method in accelerated_methods(cls).items():
             _set(cls, name, method)
-        _set(cls, "__reduce_ex__", accelerated_reduce(cls))
+        torch_reduce = torch.Tensor.__dict__["__reduce_ex__"]
+        _set(torch.Tensor, "__reduce_ex__", accelerated_tensor_reduce(torch_reduce))
         name = "batched_message_log_to_flat_message"
         original = getattr(messages_module, name)
         flatten = accelerated_flatten(original)
         _set_everywhere(messages_module, name, original, flatten)
-        _InstallState.own_functions.append((flatten, original))
+        _InstallState.rebinds.append((flatten, original, ""))
         _InstallState.accelerated = True
     assert _InstallState.mode is not None
     return _InstallState.mode
@@ -119,7 +132,11 @@ def _install_class() -> None:
     except ImportError:
         module = None
     if module is not None:
-        _set_everywhere(module, "PackedTensor", getattr(module, "PackedTensor", None), ours)
+        original = getattr(module, "PackedTensor", None)
+        _set_everywhere(module, "PackedTensor", original, ours)
+        if original is not None:
+            # only NeMo-RL's own modules: mmpack's, and a user's import of mmpack's, keep it
+            _InstallState.rebinds.append((ours, original, "nemo_rl."))
         _InstallState.mode = "patched"
         return
 
@@ -159,11 +176,14 @@ def _set_everywhere(module: types.ModuleType, name: str, original: Any, replacem
                 _set(other, attr, replacement)
 
 
-def _rebind_everywhere(replacement: Any, original: Any) -> None:
-    """Set every imported module's attribute that *is* ``replacement`` back to ``original``."""
-    for module in list(sys.modules.values()):
+def _rebind_everywhere(replacement: Any, original: Any, prefix: str) -> None:
+    """Set the attributes that *are* ``replacement`` back to ``original``, in every imported
+    module whose name starts with ``prefix``."""
+    for name, module in list(sys.modules.items()):
         namespace = getattr(module, "__dict__", None)
         if not isinstance(module, types.ModuleType) or not isinstance(namespace, dict):
+            continue
+        if not name.startswith(prefix):
             continue
         for attr, value in list(namespace.items()):
             if value is replacement:
@@ -178,6 +198,11 @@ def _set(owner: types.ModuleType | type, name: str, value: Any) -> None:
 
 def uninstall() -> None:
     """Undo ``install()``: restore every patched attribute and drop the shim modules."""
+    with _LOCK:
+        _uninstall()
+
+
+def _uninstall() -> None:
     if _InstallState.mode is not None:
         from mmpack.packed import ray_store
 
@@ -188,11 +213,11 @@ def uninstall() -> None:
                 delattr(owner, name)
         else:
             setattr(owner, name, previous)
-    for replacement, original in _InstallState.own_functions:
-        _rebind_everywhere(replacement, original)
+    for replacement, original, prefix in _InstallState.rebinds:
+        _rebind_everywhere(replacement, original, prefix)
     for name in reversed(_InstallState.shim_modules):
         sys.modules.pop(name, None)
-    _InstallState.own_functions = []
+    _InstallState.rebinds = []
     _InstallState.patched = []
     _InstallState.shim_modules = []
     _InstallState.mode = None
