@@ -246,6 +246,17 @@ def train_batch(rows: int, width: int, seed: int) -> ReferenceBatchedDataDict:
     )
 
 
+def packing_args(capacity: int) -> dict[str, Any]:
+    """NeMo-RL's sequence-packing arguments for ``train_batch``'s keys."""
+    return {
+        "max_tokens_per_microbatch": capacity,
+        "input_key": "input_ids",
+        "input_lengths_key": "input_lengths",
+        "algorithm": "modified_first_fit_decreasing",
+        "sequence_length_pad_multiple": 1,
+    }
+
+
 @settings(max_examples=30, deadline=None)
 @given(
     shards=st.sampled_from([1, 2, 4]),
@@ -536,13 +547,7 @@ def test_fast_paths_leave_nemo_rls_edge_cases_to_nemo_rl() -> None:
         empty = ReferenceBatchedDataDict(
             {"input_ids": torch.zeros(0, 3), "input_lengths": torch.zeros(0)}
         )
-        pack = {
-            "max_tokens_per_microbatch": 8,
-            "input_key": "input_ids",
-            "input_lengths_key": "input_lengths",
-            "algorithm": "modified_first_fit_decreasing",
-            "sequence_length_pad_multiple": 1,
-        }
+        pack = packing_args(8)
         compat.install(accelerate=True)
         ours = ReferenceBatchedDataDict.from_batches(batches, pads)
         assert torch.equal(ours["input_ids"], theirs["input_ids"])
@@ -579,13 +584,7 @@ def test_rarer_inputs_get_nemo_rls_layout_and_errors() -> None:
         their_flat, _ = plain_flatten(logs, None, 1)
         batch = train_batch(8, 5, 0)
         batch["frames"] = torch.randn(8, 3, 2, 2).to(memory_format=torch.channels_last)
-        packing = {
-            "max_tokens_per_microbatch": 64,
-            "input_key": "input_ids",
-            "input_lengths_key": "input_lengths",
-            "algorithm": "modified_first_fit_decreasing",
-            "sequence_length_pad_multiple": 1,
-        }
+        packing = packing_args(64)
         their_shards, _ = batch.shard_by_batch_size(2, sequence_packing_args=packing)
         no_cap = {
             "max_tokens_per_microbatch": None,
@@ -690,13 +689,7 @@ def odd_tensors(rows: int) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("kind", ODD_KINDS)
 def test_odd_dtypes_and_layouts_go_to_nemo_rls_own_code(kind: str) -> None:
-    packing = {
-        "max_tokens_per_microbatch": 64,
-        "input_key": "input_ids",
-        "input_lengths_key": "input_lengths",
-        "algorithm": "modified_first_fit_decreasing",
-        "sequence_length_pad_multiple": 1,
-    }
+    packing = packing_args(64)
     dynamic = {
         "max_tokens_per_microbatch": 64,
         "sequence_length_round": 8,
