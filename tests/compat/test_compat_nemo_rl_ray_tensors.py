@@ -270,3 +270,41 @@ def test_a_worker_receives_the_same_tensors(standins: None) -> None:
 def test_corrupt_tensor_bytes_are_refused_by_name(args: tuple[Any, ...], message: str) -> None:
     with pytest.raises(CorruptPickleError, match=message):
         tensor_from_bytes(*args)
+
+
+def test_a_receiver_with_another_default_device_gets_cpu_tensors(standins: None) -> None:
+    compat.install(accelerate=True)
+    ref = ray.put(ReferenceBatchedDataDict({"ids": torch.arange(16.0)}))
+    torch.set_default_device("meta")
+    try:
+        got = ray.get(ref)["ids"]
+    finally:
+        torch.set_default_device("cpu")
+    assert got.device.type == "cpu"
+    assert torch.equal(got, torch.arange(16.0))
+
+
+def test_sending_leaves_the_senders_storage_resizable(standins: None) -> None:
+    compat.install(accelerate=True)
+    sent = torch.zeros(8)
+    ref = ray.put(ReferenceBatchedDataDict({"ids": sent}))
+    assert (
+        b"tensor_from_bytes" in global_worker.get_serialization_context().serialize(sent).to_bytes()
+    )
+    sent.resize_(16)  # torch's own pickling leaves the storage resizable too
+    sent.untyped_storage().resize_(0)
+    assert torch.equal(ray.get(ref)["ids"], torch.zeros(8))
+
+
+def test_a_tensor_with_backward_hooks_keeps_torchs_warning(standins: None) -> None:
+    hooked = torch.ones(3)
+    hooked._backward_hooks = {0: lambda *_: None}  # type: ignore[assignment]
+    compat.install(accelerate=True)
+    with pytest.warns(UserWarning, match="backward hook"):
+        got = through_store(hooked)
+    assert torch.equal(got, hooked)
+
+
+def test_a_shape_torch_cannot_allocate_is_refused_by_name() -> None:
+    with pytest.raises(CorruptPickleError, match="refused"):
+        tensor_from_bytes(np.zeros(0, dtype=np.uint8), "float32", (1 << 63, 0))

@@ -37,7 +37,6 @@ import torch
 from mmpack.errors import CorruptPickleError
 from mmpack.packed import ray_store
 from mmpack.packed.pickle_operation import BUFFER_DTYPES, bufferable
-from mmpack.packed.transfer import byte_view
 
 __all__ = ["accelerated_tensor_reduce", "tensor_from_bytes"]
 
@@ -52,17 +51,38 @@ def accelerated_tensor_reduce(original: Callable[[Any, Any], Any]) -> Callable[[
             type(self) is torch.Tensor
             and type(protocol) is int
             and protocol >= 5
-            and _candidate(self)
             and ray_store.serializing_for_ray()
+            and _candidate(self)
         ):
             return tensor_from_bytes, (
-                byte_view(self),
+                _ByteView.of(self),
                 BUFFER_DTYPES[self.dtype],
                 tuple(self.shape),
             )
         return original(self, protocol)
 
     return __reduce_ex__
+
+
+class _ByteView:
+    """A read-only ``uint8`` numpy view of a tensor's bytes that keeps the tensor alive, made
+    through the array interface: ``Tensor.numpy()`` would mark the sender's storage
+    unresizable for good."""
+
+    __slots__ = ("__array_interface__", "tensor")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.tensor = t
+        self.__array_interface__ = {
+            "data": (t.data_ptr(), True),
+            "shape": (t.nbytes,),
+            "typestr": "|u1",
+            "version": 3,
+        }
+
+    @classmethod
+    def of(cls, t: torch.Tensor) -> np.ndarray:
+        return np.asarray(cls(t))
 
 
 def tensor_from_bytes(data: Any, dtype_name: Any, shape: Any) -> torch.Tensor:
@@ -88,7 +108,17 @@ def tensor_from_bytes(data: Any, dtype_name: Any, shape: Any) -> torch.Tensor:
             f"a pickled tensor of shape {shape} and dtype {dtype_name} needs {needed} bytes; "
             f"the pickle holds {data.nbytes}"
         )
-    out = torch.empty(shape, dtype=dtype)
+    try:
+        # on the CPU whatever the receiver's default device is: the bytes are host memory
+        out = torch.empty(shape, dtype=dtype, device="cpu")
+    except (TypeError, RuntimeError, OverflowError) as exc:
+        raise CorruptPickleError(f"a pickled tensor's shape {shape} is refused: {exc}") from exc
+    if type(out) is not torch.Tensor or out.device.type != "cpu":
+        # a mode that intercepts factories (fake or meta tensors) has no host memory to fill
+        raise RuntimeError(
+            f"a pickled tensor cannot be rebuilt under an active torch mode ({type(out).__name__} "
+            f"on {out.device})"
+        )
     # A raw copy: a numpy view of ``out`` would make its storage unresizable, and torch warns on
     # a tensor over the read-only store.
     ctypes.memmove(out.data_ptr(), data.ctypes.data, data.nbytes)
@@ -107,6 +137,8 @@ def _candidate(t: torch.Tensor) -> bool:
         and t.storage_offset() == 0
         and t.untyped_storage().nbytes() == t.nbytes
         and not t.__dict__
+        # torch warns that it drops the hooks: its own reduction says so
+        and not t._backward_hooks
         # named tensors, where this torch still has them
         and not any(getattr(t, "names", ()))
     )
