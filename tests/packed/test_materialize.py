@@ -586,3 +586,17 @@ def test_small_outputs_are_one_torch_cat_with_the_same_result(
     monkeypatch.setattr(_gather, "SMALL_OUTPUT_BYTES", 1 << 20)
     got = _ours(mixed, None, 0, False)
     assert got.dtype == expected.dtype and torch.equal(got, expected)
+
+
+def test_byte_views_leave_the_tensors_storage_resizable() -> None:
+    # torch marks a storage unresizable for good once Tensor.numpy() has viewed it
+    t = torch.arange(12, dtype=torch.float32).view(3, 4)
+    view = _transfer.byte_view(t)
+    assert bytes(view) == bytes(t.untyped_storage())
+    view[:4] = 0  # a view, not a copy
+    assert t[0, 0].item() == 0.0
+    del view
+    t.resize_(6, 4)
+    t.untyped_storage().resize_(0)
+    with pytest.raises(ValueError, match="contiguous"):
+        _transfer.byte_view(torch.arange(12).view(3, 4).t())

@@ -96,17 +96,29 @@ def is_plain_cpu(t: Any) -> bool:
     )
 
 
+class _Bytes:
+    """A tensor's bytes through numpy's array interface, keeping the tensor alive: a view made
+    with ``Tensor.numpy()`` would mark the tensor's storage unresizable for good."""
+
+    __slots__ = ("__array_interface__", "tensor")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.tensor = t
+        self.__array_interface__ = {
+            "data": (t.data_ptr(), False),
+            "shape": (t.nbytes,),
+            "typestr": "|u1",
+            "version": 3,
+        }
+
+
 def byte_view(t: torch.Tensor) -> np.ndarray:
     """A 1-D ``uint8`` numpy view of a contiguous CPU tensor's bytes (no copy)."""
     if t.numel() == 0:
         return np.empty(0, dtype=np.uint8)
-    if t.dim() != 1:
-        t = t.reshape(-1)
-    if t.stride(0) != 1:  # a contiguous tensor of one element may carry any stride
-        t = t.as_strided((t.numel(),), (1,))
-    if t.dtype != torch.uint8:
-        t = t.view(torch.uint8)
-    return t.numpy().reshape(-1)
+    if not t.is_contiguous() or not t.is_cpu:
+        raise ValueError("byte_view needs a contiguous CPU tensor")
+    return np.asarray(_Bytes(t))
 
 
 def gather_bytes(

@@ -37,6 +37,7 @@ import torch
 from mmpack.errors import CorruptPickleError
 from mmpack.packed import ray_store
 from mmpack.packed.pickle_operation import BUFFER_DTYPES, bufferable
+from mmpack.packed.transfer import byte_view
 
 __all__ = ["accelerated_tensor_reduce", "tensor_from_bytes"]
 
@@ -55,34 +56,13 @@ def accelerated_tensor_reduce(original: Callable[[Any, Any], Any]) -> Callable[[
             and _candidate(self)
         ):
             return tensor_from_bytes, (
-                _ByteView.of(self),
+                byte_view(self),
                 BUFFER_DTYPES[self.dtype],
                 tuple(self.shape),
             )
         return original(self, protocol)
 
     return __reduce_ex__
-
-
-class _ByteView:
-    """A read-only ``uint8`` numpy view of a tensor's bytes that keeps the tensor alive, made
-    through the array interface: ``Tensor.numpy()`` would mark the sender's storage
-    unresizable for good."""
-
-    __slots__ = ("__array_interface__", "tensor")
-
-    def __init__(self, t: torch.Tensor) -> None:
-        self.tensor = t
-        self.__array_interface__ = {
-            "data": (t.data_ptr(), True),
-            "shape": (t.nbytes,),
-            "typestr": "|u1",
-            "version": 3,
-        }
-
-    @classmethod
-    def of(cls, t: torch.Tensor) -> np.ndarray:
-        return np.asarray(cls(t))
 
 
 def tensor_from_bytes(data: Any, dtype_name: Any, shape: Any) -> torch.Tensor:
