@@ -242,6 +242,63 @@ def test_no_api_writes_into_the_store() -> None:
     assert [torch.equal(a, b) for a, b in zip(copies, batch.tensors, strict=True)]
 
 
+def _odd_values() -> dict[str, PackedTensor]:
+    """Values whose read-in-place gather must either reproduce the driver's result or leave
+    the work to the private path: gaps, other packing dims, mixed dtypes and shapes, tensors
+    that travel in-band beside store views."""
+    gen = torch.Generator().manual_seed(7)
+
+    def dedup(*tensors: torch.Tensor | None, dim: int = 0) -> PackedTensor:
+        rows = [
+            PackedTensor([t], dim) if t is None else PackedTensor(t, dim).enable_deduplication()
+            for t in tensors
+        ]
+        return PackedTensor.flattened_concat(rows)
+
+    a, b = torch.randn(3, 5, generator=gen), torch.randn(2, 5, generator=gen)
+    wide = torch.randn(4, 7, generator=gen)
+    return {
+        "gaps": dedup(a, None, b, None).repeat_interleave(3),
+        "dim 1": dedup(
+            torch.randn(5, 3, generator=gen), torch.randn(5, 4, generator=gen), dim=1
+        ).repeat_interleave(2),
+        "dim -1, rank 3": dedup(
+            torch.randn(2, 3, 4, generator=gen), torch.randn(2, 3, 1, generator=gen), dim=-1
+        ).repeat_interleave(2),
+        "rank 1": dedup(torch.arange(4), torch.arange(3)).repeat_interleave(2),
+        "mixed dtypes": dedup(a, b.to(torch.bfloat16), a.to(torch.float64)).repeat_interleave(2),
+        "mixed trailing shapes": dedup(a, wide).repeat_interleave(2),
+        "in-band beside store views": dedup(a, b.clone().requires_grad_(), a).repeat_interleave(2),
+        "all gaps": dedup(None, None),
+    }
+
+
+READ_IN_PLACE = {"gaps", "dim 1", "dim -1, rank 3", "rank 1", "all gaps"}
+
+
+@pytest.mark.parametrize("name", list(_odd_values()))
+def test_reading_in_place_gives_the_drivers_result_or_its_error(name: str) -> None:
+    value = _odd_values()[name]
+    try:
+        want: Any = value.as_tensor()
+    except Exception as exc:  # the private path's own refusal
+        want = exc
+    received = ray.get(ray.put(value))
+    if isinstance(want, Exception):
+        with pytest.raises(type(want)):
+            received.as_tensor()
+        return
+    got = received.as_tensor()
+    # store views of one dtype and layout are gathered in place; the rest from private copies
+    assert ("_store" in received.__dict__) == (name in READ_IN_PLACE), name
+    if want is None:
+        assert got is None
+        return
+    assert got is not None and got.dtype == want.dtype and got.shape == want.shape
+    assert torch.equal(got.detach(), want.detach())
+    assert got.requires_grad == want.requires_grad
+
+
 def test_plain_pickles_are_unchanged_with_the_store_path_on() -> None:
     batch = grpo_pixels(3)
     shards = interleaved_shards(batch)

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 from collections.abc import Sequence
 from typing import Any
 
@@ -187,29 +188,26 @@ def as_tensor_from_store(
         return NOT_COVERED
     n = len(segments)
     order = _logical_order(n, segment_indices)
-    is_none = np.fromiter((s is None for s in segments), dtype=bool, count=n)
-    if is_none.any():
+    if any(map(operator.is_, segments, itertools.repeat(None))):  # identity, never __eq__
+        is_none = np.fromiter((s is None for s in segments), dtype=bool, count=n)
         order = order[~is_none[order]]
     if order.size == 0:
         return None
     segs, src_order = _compact(segments, order)
-    first = segs[0]
-    if not hasattr(first, "array"):
-        return NOT_COVERED
-    dtype, rank = first.dtype, first.ndim
+    if not all(getattr(kind, "read_in_place", False) is True for kind in set(map(type, segs))):
+        return NOT_COVERED  # tensors among them (sent in-band): the caller's private path
+    shapes = [s.shape for s in segs]
+    rank = len(shapes[0])
     pack_dim = pack_dim_of(dim_to_pack, rank) if rank else None
-    if pack_dim is None:
+    if pack_dim is None or len({s.dtype for s in segs}) != 1:
         return NOT_COVERED
-    shape0 = first.shape
-    for s in segs:
-        if not hasattr(s, "array") or s.dtype != dtype or s.ndim != rank:
-            return NOT_COVERED
-        sh = s.shape
-        if any(a != b for d, (a, b) in enumerate(zip(sh, shape0, strict=True)) if d != pack_dim):
-            return NOT_COVERED
-    sizes = np.fromiter((s.shape[pack_dim] for s in segs), dtype=np.int64, count=len(segs))
-    out_shape = list(shape0)
+    # one set of every shape without its packed size: equal ranks and equal other sizes
+    if len({sh[:pack_dim] + sh[pack_dim + 1 :] + (len(sh),) for sh in shapes}) != 1:
+        return NOT_COVERED
+    sizes = np.fromiter((sh[pack_dim] for sh in shapes), dtype=np.int64, count=len(shapes))
+    out_shape = list(shapes[0])
     out_shape[pack_dim] = int(sizes[src_order].sum())
+    dtype = segs[0].dtype
     if out is not None:
         result = _check_out(out, out_shape, dtype, torch.device("cpu"))
     else:

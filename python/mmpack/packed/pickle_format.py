@@ -394,6 +394,14 @@ def _decode_segments(payload: Any) -> list[Any]:
     group_lists = [
         [g.member(j) for j in range(len(g))] if isinstance(g, Group) else g.tensors for g in groups
     ]
+    n = len(codes_a)
+    if (
+        len(group_lists) == 1
+        and len(group_lists[0]) == n
+        and not (codes_a != 0).any()
+        and (pos_a == np.arange(n)).all()
+    ):
+        return list(group_lists[0])  # the usual value: its own group, every member in order
     out: list[Any] = []
     append = out.append
     for c, j in zip(codes_a.tolist(), pos_a.tolist(), strict=True):

@@ -193,26 +193,18 @@ class StoreSegment:
     """A physical segment read in place from Ray's object store: a read-only byte view, its
     dtype and shape. It holds its chunk (and so the chunk's ``ObjectRef``) alive."""
 
-    __slots__ = ("chunk", "j")
+    # Plain slots, not properties: a micro-batch's gather reads them for every segment.
+    __slots__ = ("array", "chunk", "dtype", "j", "shape")
     #: what ``mmpack.packed.transfer`` recognises a store view by
     read_in_place = True
 
     def __init__(self, chunk: _Chunk, j: int) -> None:
         self.chunk = chunk
         self.j = j
-
-    @property
-    def array(self) -> np.ndarray:
-        """The segment's bytes (read-only ``uint8``, C order)."""
-        return self.chunk.arrays[self.j]
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.chunk.dtypes[self.j]
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.chunk.shapes[self.j]
+        #: the segment's bytes (read-only ``uint8``, C order)
+        self.array: np.ndarray = chunk.arrays[j]
+        self.dtype: torch.dtype = chunk.dtypes[j]
+        self.shape: tuple[int, ...] = chunk.shapes[j]
 
     @property
     def ndim(self) -> int:
