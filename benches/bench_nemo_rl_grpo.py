@@ -440,6 +440,33 @@ class _Ray:
             del ref, buffer
         return max(1, nbytes) / best
 
+    def store_in_use(self) -> float:
+        """Bytes in use in the object store, as the raylet reports them (on its heartbeat, so
+        after a pause), once every value the driver dropped is collected."""
+        from ray._private import state
+
+        self._ray()
+        gc.collect()
+        time.sleep(1.5)
+        total = state.total_resources_per_node()
+        avail = state.available_resources_per_node()
+        return sum(
+            res.get("object_store_memory", 0.0)
+            - avail.get(node, {}).get("object_store_memory", 0.0)
+            for node, res in total.items()
+        )
+
+    def store_in_use_with(self, nbytes: int) -> float:
+        """``store_in_use`` while one object of ``nbytes`` lives: shows that the meter sees
+        what the store holds (so a reading of zero after the path means an empty store)."""
+        import numpy as np
+
+        ref = self._ray().put(np.ones(nbytes, dtype=np.uint8))
+        try:
+            return self.store_in_use()
+        finally:
+            del ref
+
     def payload_bytes(self, value: Any) -> int:
         """In-band plus out-of-band bytes Ray's serializer writes for ``value``."""
         from ray._private.worker import global_worker
@@ -449,6 +476,7 @@ class _Ray:
 
 
 RAY = _Ray()
+STORE_PROBE_BYTES = 64 * 2**20
 #: The hook for an object-store meter (see ``_Ray.store_counters``); the multi-node bench sets it.
 STORE_METER: Callable[[], dict[str, int]] | None = None
 
@@ -613,6 +641,7 @@ def child(args: argparse.Namespace) -> None:
 
     torch.set_num_threads(args.threads)
     RAY.start()
+    store_before = RAY.store_in_use()
     patches = (int(args.patches.split(":")[0]), int(args.patches.split(":")[1]))
 
     def one_pass(fingerprint: bool = False) -> dict[str, Any]:
@@ -638,6 +667,12 @@ def child(args: argparse.Namespace) -> None:
         result["digests"], result["payload_bytes"] = checked["digests"], checked["payload_bytes"]
         result["store"] = checked["store"]
         result["unique_bytes"]["materialized"] = checked["unique_bytes"]["materialized"]
+    # every batch, shard and received value of the passes died with its pass
+    result["store_in_use"] = {
+        "before": store_before,
+        "after": RAY.store_in_use(),
+        "probe": RAY.store_in_use_with(STORE_PROBE_BYTES),
+    }
     result["peak_rss_bytes"] = _peak_rss()
     result["memcpy_bytes_per_s"] = memcpy_bandwidth()
     result["put_bytes_per_s"] = RAY.put_bandwidth(result["unique_bytes"]["media_bf16"])
@@ -798,6 +833,15 @@ def _print_memory_and_floor(results: dict[str, Any], modes: list[str]) -> None:
                 f"object store, {m}: media chunks written {store['written']:,} B, read in place "
                 f"{store['read']:,} B (each shard maps its chunks; nothing is copied out), "
                 f"between nodes {store.get('between_nodes', 0):,} B"
+            )
+    for m in modes:
+        in_use = results[m].get("store_in_use")
+        if in_use is not None:
+            print(
+                f"object store in use, {m}: {in_use['before'] / 2**20:.2f} MiB before the "
+                f"path, {in_use['after'] / 2**20:.2f} MiB after it (every value dropped); "
+                f"the meter reads a live {STORE_PROBE_BYTES / 2**20:.0f} MiB object as "
+                f"{in_use['probe'] / 2**20:.2f} MiB"
             )
 
 

@@ -7,9 +7,11 @@ from __future__ import annotations
 import copy
 import gc
 import os
+import pickle
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -313,3 +315,129 @@ def test_a_plain_pickle_nested_inside_rays_is_self_contained() -> None:
     for _ in range(2):
         assert ray.get(total.remote(NestsAPlainPickle(value)), timeout=60) == float(t.sum())
     assert ray_store.store_counters().put_bytes == before  # nothing went through the store
+
+
+def test_tensors_assigned_on_a_received_value_replace_its_store_views() -> None:
+    import ray
+
+    def build() -> PackedTensor:
+        return PackedTensor([torch.zeros(2), torch.zeros(1)], dim_to_pack=0)
+
+    local, received = build(), ray.get(ray.put(build()))
+    assert "_store" in received.__dict__
+    for value in (local, received):
+        value.tensors = [torch.ones(3)]
+    assert len(received) == len(local) == 1
+    assert torch.equal(received.as_tensor(), local.as_tensor())
+    assert torch.equal(sent(received), torch.ones(3))
+    assert torch.equal(copy.deepcopy(received).as_tensor(), torch.ones(3))
+    assert torch.equal(pickle.loads(pickle.dumps(received)).as_tensor(), torch.ones(3))
+    assert torch.equal(received.to("cpu").as_tensor(), torch.ones(3))
+    assert [t.tolist() for t in received.tensors] == [[1.0, 1.0, 1.0]]
+
+
+def test_a_value_returned_by_an_actor_outlives_the_actor() -> None:
+    # an object belongs to the process that put it: only the driver puts chunks
+    import ray
+
+    @ray.remote
+    class Maker:
+        def make(self) -> PackedTensor:
+            ray_store.enable(True)
+            segs = [torch.full((2, 3), float(i)) for i in range(3)]
+            return PackedTensor(segs, dim_to_pack=0).repeat_interleave(4)
+
+    maker = Maker.remote()
+    ref = maker.make.remote()
+    ray.wait([ref], timeout=60)
+    ray.kill(maker)
+    time.sleep(2)  # the owner's death reaches the driver
+    value = ray.get(ref, timeout=60)
+    expected = PackedTensor([torch.full((2, 3), float(i)) for i in range(3)], 0)
+    assert torch.equal(value.as_tensor(), expected.repeat_interleave(4).as_tensor())
+    assert torch.equal(sent(value), value.as_tensor())  # and the driver sends it on
+
+
+def test_the_put_table_holds_at_most_its_cap_the_least_recently_sent_going_first() -> None:
+    import ray
+
+    with pytest.raises(ValueError, match="held_bytes"):
+        ray_store.enable(True, held_bytes=-1)
+    size = 64 * 1024  # one chunk: 16,384 float32
+    ray_store.enable(True, held_bytes=int(size * 2.5))
+    try:
+        values = [PackedTensor([torch.full((4096, 4), float(i))], 0) for i in range(4)]
+        counters = ray_store.store_counters()
+        counters.reset()
+        refs = [ray.put(v) for v in values[:2]]
+        assert counters.put_objects == 2 and ray_store.held_bytes() == 2 * size
+        ray.put(values[0])  # sent again: reused, and now the most recent
+        assert counters.put_objects == 2
+        refs.append(ray.put(values[2]))  # over the cap: values[1]'s chunk goes
+        assert ray_store.held_bytes() == 2 * size and counters.put_objects == 3
+        assert ray.get(refs[1]).as_tensor().eq(1.0).all()  # the object still holds it
+        ray.put(values[1])
+        assert counters.put_objects == 4  # put again, and right
+        ray.put(values[0])
+        assert counters.put_objects == 5  # values[2] and values[1] were sent since
+        for v, ref in zip(values, refs, strict=False):
+            assert torch.equal(ray.get(ref).as_tensor(), v.as_tensor())
+        assert ray_store.held_bytes() <= int(size * 2.5)
+        ray_store.enable(True, held_bytes=0)  # hold nothing: every send puts
+        ray.put(values[3])
+        ray.put(values[3])
+        assert counters.put_objects == 7 and len(ray_store.put_refs()) == 2
+    finally:
+        ray_store.enable(True, held_bytes=None)
+    del values, refs
+    gc.collect()
+    assert ray_store.put_refs() == [] and ray_store.held_bytes() == 0
+
+
+def test_the_default_cap_is_half_the_nodes_object_store() -> None:
+    import ray
+
+    value = PackedTensor([torch.ones(1024, 4)], 0)
+    ray.put(value)
+    assert ray_store.held_bytes() == value.physical_nbytes()
+    node = ray.get_runtime_context().get_node_id()
+    store = next(n["Resources"]["object_store_memory"] for n in ray.nodes() if n["NodeID"] == node)
+    assert ray_store._TABLE.cap == int(store // 2)
+
+
+RECONNECT = """
+import ray, torch
+from mmpack.packed import PackedTensor, ray_store
+ray_store.enable(True)
+kw = dict(num_cpus=1, include_dashboard=False, log_to_driver=False,
+          object_store_memory=80 * 2**20)
+t = torch.full((4, 3), 5.0)
+value = PackedTensor([t], 0)
+
+@ray.remote
+def total(v):
+    return float(v.as_tensor().sum())
+
+ray.init(**kw)
+kept = ray.get(ray.put(value))  # a value read in place, alive across the reconnect
+assert float(ray.get(ray.put(value)).as_tensor().sum()) == 60.0
+ray.shutdown()
+ray.init(**kw)
+other = PackedTensor([torch.full((4, 3), 2.0)], 0)
+print(float(ray.get(ray.put(value)).as_tensor().sum()), ray.get(total.remote(value)),
+      float(ray.get(ray.put(other)).as_tensor().sum()), float(kept.as_tensor().sum()))
+ray.shutdown()
+"""
+
+
+def test_a_new_ray_session_in_the_same_process_starts_a_new_table(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-c", RECONNECT],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=tmp_path,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split() == ["60.0", "60.0", "24.0", "60.0"]

@@ -12,12 +12,27 @@ address, shape, strides and dtype, and the same autograd version counter, which 
 torch write bumps (on the tensor, its base or any view of it). Provenance ids never stand in for
 the bytes: two values may share one while their tensors differ. Writes that bypass torch (into a
 ``.numpy()`` view or the storage's memory) cannot be seen; tensors without a version counter
-(made under ``torch.inference_mode``) are put each time they are sent. An entry lives exactly as
-long as the segment tensor it was made for (a weak reference), so the table never keeps store
-memory alive: once the values and the shards that reference a chunk are gone, Ray frees it.
-The pickled value holds the chunk refs, so Ray counts them as nested references of whatever
-object carries the value. The put runs on a helper thread: Ray's per-thread serialization state
-(which refs the outer object contains) must not be reset by a nested serialization.
+(made under ``torch.inference_mode``) are put each time they are sent. Writes that do not bump
+the tensor's own counter are not seen either: through ``.data`` (a tensor with a counter of its
+own), through another tensor ``set_`` onto the same storage, into ``untyped_storage()``, through
+DLPack or a ``.numpy()`` view. Make such writes before the first send, or send a new tensor.
+
+Only the driver puts chunks (the process that called ``ray.init``): an object belongs to the
+process that put it and is lost when that process exits, so a chunk put by a worker would be
+lost with the worker while the value it returned lives on. A worker sends its own new segments
+inline, as plain Ray would, and passes on references to chunks it received.
+
+An entry lives at most as long as the segment tensor it was made for (a weak reference). While
+it lives, the table holds its chunk's ref, so a tensor sent again (by the next shard) reuses the
+chunk; the chunks the table holds are capped at :func:`enable`'s ``held_bytes`` (half the
+driver's node's object store by default), the least recently sent first to go (a value that
+references a dropped chunk keeps it alive; a later send puts the segments again). Once the
+values that reference a chunk are gone and the table let it go, Ray frees it.
+The table belongs to one Ray session: after ``ray.shutdown()`` and a new ``ray.init()`` it
+starts empty. The pickled value holds the chunk refs, so Ray counts them as nested references
+of whatever object carries the value. The put runs on a helper thread: Ray's per-thread
+serialization state (which refs the outer object contains) must not be reset by a nested
+serialization.
 
 **Reading.** The segments come back as :class:`StoreSegment` s: read-only byte views into the
 store plus dtype and shape, holding their chunk's ref (a segment is never freed while a value
@@ -55,6 +70,7 @@ __all__ = [
     "enable",
     "enabled",
     "encode_segments",
+    "held_bytes",
     "private_copies",
     "put_refs",
     "serializing_for_ray",
@@ -82,10 +98,23 @@ def _env_on() -> bool:
 
 class _State:
     on = _env_on()
+    #: the cap on the chunks the put table holds; ``None``: half the node's object store
+    held_bytes: int | None = None
 
 
-def enable(on: bool = True) -> None:
-    """Turn the store path on (or off) in this process."""
+_UNCHANGED: Any = object()
+
+
+def enable(on: bool = True, *, held_bytes: int | None = _UNCHANGED) -> None:
+    """Turn the store path on (or off) in this process. ``held_bytes`` caps the bytes of the
+    chunks the put table keeps alive for reuse (``None``: half of the object store of the
+    driver's node, the default; not given: unchanged)."""
+    if held_bytes is not _UNCHANGED:
+        if held_bytes is not None and (
+            isinstance(held_bytes, bool) or not isinstance(held_bytes, int) or held_bytes < 0
+        ):
+            raise ValueError(f"held_bytes must be a non-negative int or None, got {held_bytes!r}")
+        _State.held_bytes = held_bytes
     _State.on = bool(on)
 
 
@@ -162,12 +191,17 @@ def store_used_bytes() -> float:
 
 
 def put_refs() -> list[Any]:
-    """The chunks this process put that a live segment still maps to (one ``ObjectRef``
-    each): what ``ray.experimental.get_object_locations`` can follow across nodes."""
-    seen: dict[Any, None] = {}
-    for entry in list(_PUT.values()):
-        seen.setdefault(entry.ref, None)
-    return list(seen)
+    """The chunks this process put that the put table still holds for reuse (one
+    ``ObjectRef`` each): what ``ray.experimental.get_object_locations`` can follow across
+    nodes."""
+    with _LOCK:
+        return [held.ref for held in _TABLE.chunks.values()]
+
+
+def held_bytes() -> int:
+    """Bytes of the chunks the put table holds for reuse (see :func:`enable`)."""
+    with _LOCK:
+        return _TABLE.held
 
 
 # ---------------------------------------------------------------------------------------------
@@ -261,23 +295,133 @@ def _signature(t: torch.Tensor) -> tuple[Any, ...] | None:
     return (t._version, t.data_ptr(), t.dtype, tuple(t.shape), t.stride())
 
 
+class _Held:
+    """A chunk the put table holds: its ref, its bytes, the ids of the tensors whose entries
+    map to it, and how many of those entries are live."""
+
+    __slots__ = ("entries", "key", "keys", "nbytes", "ref")
+
+    def __init__(self, ref: Any, nbytes: int) -> None:
+        self.ref = ref
+        self.key: bytes = ref.binary()
+        self.nbytes = nbytes
+        self.keys: list[int] = []
+        self.entries = 0
+
+
 class _Entry:
-    __slots__ = ("j", "ref", "signature", "wref")
+    __slots__ = ("held", "j", "ref", "signature", "wref")
 
     def __init__(
-        self, ref: Any, j: int, signature: tuple[Any, ...], wref: weakref.ref[torch.Tensor]
+        self, held: _Held, j: int, signature: tuple[Any, ...], wref: weakref.ref[torch.Tensor]
     ) -> None:
-        self.ref = ref
+        self.held = held
+        self.ref = held.ref
         self.j = j
         self.signature = signature
         self.wref = wref
 
 
-# id of a segment tensor -> where it is in the store; entries leave with their tensor
-_PUT: dict[int, _Entry] = {}
-# chunks this process read, by object id: a second value referencing one maps no new bytes
-_READ: weakref.WeakValueDictionary[bytes, _Chunk] = weakref.WeakValueDictionary()
-_LOCK = threading.Lock()
+class _Table:
+    """This process's put table for one Ray session: each put segment tensor's entry (by id;
+    entries leave with their tensor), the chunks they map to in the order they were last
+    sent (the least recent first), and the chunks this process read (by object id: a second
+    value referencing one maps no new bytes). Mutated under ``_LOCK`` (reentrant: a tensor
+    freed by the garbage collector inside a locked section runs its callback there)."""
+
+    def __init__(self, session: Any = None) -> None:
+        self.session = session
+        self.put: dict[int, _Entry] = {}
+        self.chunks: dict[bytes, _Held] = {}  # insertion order = least recently sent first
+        self.cap: int | None = None
+        self.read: weakref.WeakValueDictionary[bytes, _Chunk] = weakref.WeakValueDictionary()
+
+    @property
+    def held(self) -> int:
+        return sum(h.nbytes for h in list(self.chunks.values()))
+
+    def touch(self, held: _Held) -> None:
+        if self.chunks.get(held.key) is held:
+            self.chunks[held.key] = self.chunks.pop(held.key)
+
+    def hold(self, held: _Held) -> None:
+        self.chunks[held.key] = held
+
+    def release(self, held: _Held) -> None:
+        """Stop holding ``held``: its entries go, so its segments are put again if sent."""
+        if self.chunks.pop(held.key, None) is None:
+            return
+        for key in held.keys:
+            entry = self.put.get(key)
+            if entry is not None and entry.held is held:
+                del self.put[key]
+        held.entries = 0
+
+    def add(self, key: int, entry: _Entry) -> None:
+        old = self.put.get(key)
+        if old is not None:
+            self.drop_entry(key, old)  # a stale entry of the same tensor
+        self.put[key] = entry
+        entry.held.keys.append(key)
+        entry.held.entries += 1
+
+    def drop_entry(self, key: int, entry: _Entry) -> None:
+        if self.put.get(key) is not entry:
+            return
+        del self.put[key]
+        held = entry.held
+        held.entries -= 1
+        if held.entries <= 0 and self.chunks.get(held.key) is held:
+            del self.chunks[held.key]
+
+
+_TABLE = _Table()
+_LOCK = threading.RLock()
+
+
+def _session(worker: Any) -> Any:
+    """What names the Ray session a process is connected to (a new ``ray.init`` after
+    ``ray.shutdown`` is another one): the session's name and this connection's job."""
+    node = getattr(worker, "node", None)
+    return (getattr(node, "session_name", None), worker.current_job_id.binary())
+
+
+def _table() -> _Table:
+    """The put table of the session this process is connected to (a fresh one after a
+    reconnect: refs of an old session's chunks cannot be sent into a new one)."""
+    global _TABLE
+    from ray._private import worker as ray_worker
+
+    session = _session(ray_worker.global_worker)
+    with _LOCK:
+        if _TABLE.session != session:
+            _TABLE = _Table(session)
+        return _TABLE
+
+
+def _is_driver() -> bool:
+    from ray._private import worker as ray_worker
+
+    return bool(ray_worker.global_worker.mode == ray_worker.SCRIPT_MODE)
+
+
+def _cap(table: _Table) -> int:
+    if _State.held_bytes is not None:
+        return _State.held_bytes
+    if table.cap is None:
+        import ray
+
+        node_id = ray.get_runtime_context().get_node_id()
+        store = next(
+            (
+                n.get("Resources", {}).get("object_store_memory", 0.0)
+                for n in ray.nodes()
+                if n.get("NodeID") == node_id
+            ),
+            0.0,
+        )
+        table.cap = int(store // 2)
+    return table.cap
 
 
 class _Putter:
@@ -296,19 +440,19 @@ class _Putter:
         return cls.pool.submit(ray.put, payload).result()
 
 
-def _forget(key: int, entry: _Entry, table: dict[int, _Entry] = _PUT) -> Any:
-    # The table is bound here: tensors freed while the interpreter shuts down run this after
-    # the module's globals are gone.
+def _forget(key: int, entry: _Entry, table: _Table, lock: Any = _LOCK) -> Any:
+    # The table and the lock are bound here: tensors freed while the interpreter shuts down
+    # run this after the module's globals are gone.
     def callback(_: Any) -> None:
-        if table.get(key) is entry:
-            table.pop(key, None)
+        with lock:
+            table.drop_entry(key, entry)
 
     return callback
 
 
-def _lookup(t: torch.Tensor, signature: tuple[Any, ...] | None) -> _Entry | None:
+def _lookup(table: _Table, t: torch.Tensor, signature: tuple[Any, ...] | None) -> _Entry | None:
     """The entry of ``t`` if what was put is still what ``t`` holds."""
-    entry = _PUT.get(id(t))
+    entry = table.put.get(id(t))
     if entry is None or signature is None or entry.wref() is not t:
         return None
     return entry if entry.signature == signature else None
@@ -327,6 +471,9 @@ def encode_segments(segments: list[Any]) -> tuple[Any, ...]:
     fresh: list[tuple[torch.Tensor, tuple[Any, ...] | None]] = []  # (tensor, signature)
     fresh_at: dict[int, int] = {}
     reused = 0
+    table = _table()
+    driver = _is_driver()
+    touched: dict[int, _Held] = {}  # the held chunks this value reuses
 
     def slot_of(ref: Any) -> int:
         k = ref_slot.get(ref)
@@ -348,10 +495,11 @@ def encode_segments(segments: list[Any]) -> tuple[Any, ...]:
         if isinstance(t, StoreSegment):
             hit = (slot_of(t.chunk.ref), t.j)
             reused += 1
-        elif bufferable(t):
+        elif driver and bufferable(t):
             signature = _signature(t)
-            entry = _lookup(t, signature)
+            entry = _lookup(table, t, signature)
             if entry is not None:
+                touched[id(entry.held)] = entry.held
                 hit = (slot_of(entry.ref), entry.j)
                 reused += 1
             else:
@@ -364,8 +512,12 @@ def encode_segments(segments: list[Any]) -> tuple[Any, ...]:
         if hit is not None:
             seen[id(t)] = hit
             codes[i], pos[i] = hit
+    if touched:
+        with _LOCK:
+            for held in touched.values():
+                table.touch(held)
     if fresh:
-        ref = _put_chunk(fresh)
+        ref = _put_chunk(table, fresh)
         k = slot_of(ref)
         for i, t in enumerate(segments):
             if codes[i] == -3:
@@ -375,7 +527,7 @@ def encode_segments(segments: list[Any]) -> tuple[Any, ...]:
     return (STORE_FORMAT, i64_bytes(codes), i64_bytes(pos), refs, others)
 
 
-def _put_chunk(fresh: list[tuple[torch.Tensor, tuple[Any, ...] | None]]) -> Any:
+def _put_chunk(table: _Table, fresh: list[tuple[torch.Tensor, tuple[Any, ...] | None]]) -> Any:
     # the signatures were read before the bytes: a write racing the put makes the entry stale
     contiguous = [t.contiguous() for t, _ in fresh]
     arrays = [byte_view(c) for c in contiguous]
@@ -386,16 +538,30 @@ def _put_chunk(fresh: list[tuple[torch.Tensor, tuple[Any, ...] | None]]) -> Any:
         arrays,
     )
     ref = _Putter.put(payload)
+    nbytes = sum(a.nbytes for a in arrays)
+    # no version counter: nothing tells a later send it is unchanged
+    kept = [(j, t, sig) for j, (t, sig) in enumerate(fresh) if sig is not None]
+    cap = _cap(table) if kept else 0
     with _LOCK:
-        for j, (t, signature) in enumerate(fresh):
-            if signature is None:
-                continue  # no version counter: nothing tells a later send it is unchanged
-            entry = _Entry(ref, j, signature, weakref.ref(t))
-            entry.wref = weakref.ref(t, _forget(id(t), entry))
-            _PUT[id(t)] = entry
+        for _, t, _sig in kept:  # entries of these tensors from an earlier put are stale
+            old = table.put.get(id(t))
+            if old is not None:
+                table.drop_entry(id(t), old)
+        if kept and nbytes <= cap:
+            held = _Held(ref, nbytes)
+            table.hold(held)
+            for j, t, signature in kept:
+                entry = _Entry(held, j, signature, weakref.ref(t))
+                entry.wref = weakref.ref(t, _forget(id(t), entry, table))
+                table.add(id(t), entry)
+            total = table.held
+            while total > cap and table.chunks:
+                oldest = table.chunks[next(iter(table.chunks))]
+                table.release(oldest)
+                total -= oldest.nbytes
     _COUNTERS.put_objects += 1
     _COUNTERS.put_segments += len(fresh)
-    _COUNTERS.put_bytes += sum(a.nbytes for a in arrays)
+    _COUNTERS.put_bytes += nbytes
     return ref
 
 
@@ -415,10 +581,11 @@ def decode_segments(payload: Any) -> list[Any]:
     pos_a = np.frombuffer(pos, dtype="<i8").tolist()
     if len(codes_a) != len(pos_a):
         raise ValueError("inconsistent segment tables")
+    read = _table().read
     chunks: list[_Chunk | None] = [None] * len(refs)
     missing = []
     for k, ref in enumerate(refs):
-        chunk = _READ.get(ref.binary())
+        chunk = read.get(ref.binary())
         if chunk is None:
             missing.append(k)
         chunks[k] = chunk
@@ -426,7 +593,7 @@ def decode_segments(payload: Any) -> list[Any]:
         fetched = ray.get([refs[k] for k in missing])
         for k, data in zip(missing, fetched, strict=True):
             chunk = _Chunk(refs[k], data)
-            _READ[refs[k].binary()] = chunk
+            read[refs[k].binary()] = chunk
             chunks[k] = chunk
             _COUNTERS.get_objects += 1
             _COUNTERS.get_bytes += sum(a.nbytes for a in chunk.arrays)

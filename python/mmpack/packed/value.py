@@ -177,13 +177,24 @@ class _PrivateTensors:
         if obj is None:
             return self
         d = obj.__dict__
-        store = d.get("_store")
+        store = _store_views(obj)
         if store is None:
             raise AttributeError(f"{type(obj).__name__!r} object has no attribute 'tensors'")
         tensors = _ray_store.private_copies(store)
         d["tensors"] = tensors
         d.pop("_store", None)
         return tensors
+
+
+def _store_views(obj: Any) -> list[Any] | None:
+    """The store views of a value read in place, or ``None``. A ``tensors`` list assigned since
+    (it sits in ``__dict__`` beside them) replaces them: the views are dropped."""
+    d = obj.__dict__
+    store = d.get("_store")
+    if store is not None and "tensors" in d:
+        del d["_store"]
+        return None
+    return store
 
 
 # ---------------------------------------------------------------------------------------------
@@ -251,13 +262,13 @@ class PackedTensor:
     def _phys(self) -> list[Any]:
         """The physical segments as held: ``tensors``, or the store views of a value read in
         place (which only internal, read-only paths may see)."""
-        store = self.__dict__.get("_store")
+        store = _store_views(self)
         return self._tensor_list() if store is None else store
 
     def _remake(self, phys: list[Any], new: list[Any], layout: PackedLayout | None) -> PackedTensor:
         """A value over ``new`` (selected from ``phys``, what ``_phys()`` gave), read in place
         like ``self`` when ``phys`` was its store views."""
-        if phys is self.__dict__.get("_store"):
+        if phys is _store_views(self):
             return type(self)._make_store(new, self.dim_to_pack, self.pad_to_max_shape, layout)
         return type(self)._make(new, self.dim_to_pack, self.pad_to_max_shape, layout)
 
@@ -417,7 +428,7 @@ class PackedTensor:
         lay = self._layout
         if lay is _MISSING:
             lay = self._lay()
-        store = self.__dict__.get("_store")
+        store = _store_views(self)
         if store is not None:  # read-only views: the copy may share them
             return self._make_store(list(store), self.dim_to_pack, self.pad_to_max_shape, lay)
         if lay is not None and lay.has_provenance:
@@ -448,7 +459,7 @@ class PackedTensor:
         ``pin_memory=True`` (needs CUDA). See ``mmpack.packed.gather``."""
         lay = self._lay()
         indices = lay.indices() if lay is not None and lay.is_csr else None
-        store = self.__dict__.get("_store")
+        store = _store_views(self)
         if store is not None and device is None:
             result = _gather.as_tensor_from_store(
                 store, indices, self.dim_to_pack, self.pad_to_max_shape, out, pin_memory
@@ -473,7 +484,7 @@ class PackedTensor:
         ``non_blocking`` applies only towards CUDA). See
         ``mmpack.packed.transfer.move_segments``."""
         d = self.__dict__
-        store = d.get("_store")
+        store = _store_views(self)
         d["tensors"] = _transfer.move_segments(
             self.tensors if store is None else store, device, non_blocking=non_blocking
         )
@@ -483,7 +494,7 @@ class PackedTensor:
     def to_dtype(self, dtype: torch.dtype) -> PackedTensor:
         """A new wrapper with floating segments cast to ``dtype``. Integer segments and ``None``
         stay the same objects. A real cast mints fresh provenance for every segment."""
-        store = self.__dict__.get("_store")
+        store = _store_views(self)
         requires = any(
             item is not None and item.is_floating_point() and item.dtype != dtype
             for item in (self.tensors if store is None else store)
