@@ -386,7 +386,7 @@ def test_the_put_table_holds_at_most_its_cap_the_least_recently_sent_going_first
         ray_store.enable(True, held_bytes=0)  # hold nothing: every send puts
         ray.put(values[3])
         ray.put(values[3])
-        assert counters.put_objects == 7 and len(ray_store.put_refs()) == 2
+        assert counters.put_objects == 7 and ray_store.put_refs() == []  # let go at once
     finally:
         ray_store.enable(True, held_bytes=None)
     del values, refs
@@ -421,8 +421,11 @@ def total(v):
 ray.init(**kw)
 kept = ray.get(ray.put(value))  # a value read in place, alive across the reconnect
 assert float(ray.get(ray.put(value)).as_tensor().sum()) == 60.0
+held_before = ray_store.held_bytes()
 ray.shutdown()
 ray.init(**kw)
+assert ray_store.held_bytes() == 0 and ray_store.put_refs() == [], "the old session's table"
+assert held_before > 0
 other = PackedTensor([torch.full((4, 3), 2.0)], 0)
 print(float(ray.get(ray.put(value)).as_tensor().sum()), ray.get(total.remote(value)),
       float(ray.get(ray.put(other)).as_tensor().sum()), float(kept.as_tensor().sum()))
@@ -441,3 +444,80 @@ def test_a_new_ray_session_in_the_same_process_starts_a_new_table(tmp_path: Path
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.split() == ["60.0", "60.0", "24.0", "60.0"]
+
+
+@pytest.mark.parametrize("case", ["over_the_cap", "inference_mode", "cap_zero"])
+def test_a_task_argument_whose_chunk_no_table_holds_is_read(case: str) -> None:
+    # the value travels inline in the task's arguments (its pickle holds only the chunk ref)
+    import ray
+
+    @ray.remote
+    def gathered(value: PackedTensor) -> torch.Tensor:
+        return value.as_tensor().clone()
+
+    if case == "inference_mode":
+        with torch.inference_mode():
+            t = torch.arange(100_000, dtype=torch.float32)
+    else:
+        t = torch.arange(100_000, dtype=torch.float32)
+    ray_store.enable(True, held_bytes=0 if case == "cap_zero" else 1000)
+    try:
+        got = ray.get(gathered.remote(PackedTensor([t], 0)), timeout=60)
+        assert ray_store.held_bytes() == 0
+    finally:
+        ray_store.enable(True, held_bytes=None)
+    assert torch.equal(got, t)
+
+
+def test_a_storage_swapped_in_at_the_same_address_is_sent_anew() -> None:
+    import numpy as np
+
+    arr = np.zeros(4096, dtype=np.float32)
+    t = torch.from_numpy(arr)
+    value = PackedTensor([t], 0)
+    assert torch.equal(sent(value), torch.zeros(4096))
+    arr[:] = 5.0  # bypasses the counter (documented) ...
+    t.data = torch.from_numpy(arr)  # ... but a new storage at the same address is seen
+    assert t.data_ptr() == arr.ctypes.data
+    assert torch.equal(sent(value), torch.full((4096,), 5.0))
+
+
+def test_a_lower_cap_or_turning_off_lets_go_at_once() -> None:
+    import numpy as np
+    import ray
+
+    values = [PackedTensor([torch.full((4096,), float(i))], 0) for i in range(4)]
+    for v in values:
+        ray.put(v)
+    assert ray_store.held_bytes() == 4 * 4096 * 4
+    try:
+        ray_store.enable(True, held_bytes=np.int64(2 * 4096 * 4))
+        assert ray_store.held_bytes() == 2 * 4096 * 4 and len(ray_store.put_refs()) == 2
+        ray_store.enable(False)
+        assert ray_store.held_bytes() == 0 and ray_store.put_refs() == []
+        for bad in ("off", None, 1):
+            with pytest.raises(TypeError, match="bool"):
+                ray_store.enable(bad)  # type: ignore[arg-type]
+        for bad_cap in (1.5, True, "10"):
+            with pytest.raises(TypeError, match="held_bytes"):
+                ray_store.enable(True, held_bytes=bad_cap)  # type: ignore[arg-type]
+    finally:
+        ray_store.enable(True, held_bytes=None)
+    for v in values:
+        assert torch.equal(ray.get(ray.put(v)).as_tensor(), v.as_tensor())
+
+
+def test_deleting_tensors_of_a_received_value_deletes_its_store_views() -> None:
+    import ray
+
+    local, received = (PackedTensor([torch.zeros(3)], 0) for _ in range(2))
+    received = ray.get(ray.put(received))
+    for value in (local, received):
+        value.tensors = [torch.ones(3)]
+        del value.tensors
+        with pytest.raises(AttributeError):
+            _ = value.tensors
+    fresh = ray.get(ray.put(PackedTensor([torch.zeros(3)], 0)))
+    del fresh.tensors  # never read: the views go all the same
+    with pytest.raises(AttributeError):
+        _ = fresh.tensors

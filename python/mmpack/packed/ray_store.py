@@ -8,6 +8,7 @@ plain CPU segments as references. Segments this process has not put yet go into 
 one object per pickled value (a *chunk*: the segments' bytes as out-of-band buffers, their
 dtypes and shapes); a process-wide table maps each segment tensor object to ``(chunk ref,
 member)``. An entry is reused only while the tensor still is what was put: the same storage
+(the same storage object, so ``t.data = ...`` is seen even at a reused address), the same
 address, shape, strides and dtype, and the same autograd version counter, which every in-place
 torch write bumps (on the tensor, its base or any view of it). Provenance ids never stand in for
 the bytes: two values may share one while their tensors differ. Writes that bypass torch (into a
@@ -26,8 +27,11 @@ An entry lives at most as long as the segment tensor it was made for (a weak ref
 it lives, the table holds its chunk's ref, so a tensor sent again (by the next shard) reuses the
 chunk; the chunks the table holds are capped at :func:`enable`'s ``held_bytes`` (half the
 driver's node's object store by default), the least recently sent first to go (a value that
-references a dropped chunk keeps it alive; a later send puts the segments again). Once the
-values that reference a chunk are gone and the table let it go, Ray frees it.
+references a dropped chunk keeps it alive; a later send puts the segments again). A chunk the
+table lets go, or never held (over the cap, tensors without a version counter), keeps one ref
+for ``LINGER_S`` seconds after its last send: Ray counts a reference inside a small inline task
+argument only once the task is submitted, after the pickled state that held it is gone. Once
+the values that reference a chunk are gone and no ref is left, Ray frees it.
 The table belongs to one Ray session: after ``ray.shutdown()`` and a new ``ray.init()`` it
 starts empty. The pickled value holds the chunk refs, so Ray counts them as nested references
 of whatever object carries the value. The put runs on a helper thread: Ray's per-thread
@@ -46,10 +50,13 @@ Outside Ray's serialization nothing here runs, and plain pickles are unchanged.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import operator
 import os
 import sys
 import threading
+import time
 import types
 import weakref
 from concurrent.futures import ThreadPoolExecutor
@@ -57,6 +64,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from mmpack.packed.pickle_operation import BUFFER_DTYPES, bufferable, i64_bytes
 from mmpack.packed.transfer import byte_view
@@ -108,14 +116,29 @@ _UNCHANGED: Any = object()
 def enable(on: bool = True, *, held_bytes: int | None = _UNCHANGED) -> None:
     """Turn the store path on (or off) in this process. ``held_bytes`` caps the bytes of the
     chunks the put table keeps alive for reuse (``None``: half of the object store of the
-    driver's node, the default; not given: unchanged)."""
+    driver's node, the default; not given: unchanged). A lower cap, or turning the path off,
+    lets go of the chunks above it at once."""
+    if not isinstance(on, (bool, np.bool_)):
+        raise TypeError(f"enable(on=...) takes a bool, got {on!r}")
     if held_bytes is not _UNCHANGED:
-        if held_bytes is not None and (
-            isinstance(held_bytes, bool) or not isinstance(held_bytes, int) or held_bytes < 0
-        ):
-            raise ValueError(f"held_bytes must be a non-negative int or None, got {held_bytes!r}")
+        if held_bytes is not None:
+            if isinstance(held_bytes, (bool, np.bool_)):
+                raise TypeError(f"held_bytes must be an int or None, got {held_bytes!r}")
+            try:
+                held_bytes = operator.index(held_bytes)
+            except TypeError:
+                raise TypeError(f"held_bytes must be an int or None, got {held_bytes!r}") from None
+            if held_bytes < 0:
+                raise ValueError(f"held_bytes must not be negative, got {held_bytes}")
         _State.held_bytes = held_bytes
     _State.on = bool(on)
+    with _LOCK:
+        table = _TABLE
+        cap = 0 if not _State.on else _State.held_bytes
+        if cap is None:
+            cap = table.cap
+        if cap is not None:
+            table.shrink(cap)
 
 
 def enabled() -> bool:
@@ -194,14 +217,16 @@ def put_refs() -> list[Any]:
     """The chunks this process put that the put table still holds for reuse (one
     ``ObjectRef`` each): what ``ray.experimental.get_object_locations`` can follow across
     nodes."""
+    table = _current_table()
     with _LOCK:
-        return [held.ref for held in _TABLE.chunks.values()]
+        return [] if table is None else [held.ref for held in table.chunks.values()]
 
 
 def held_bytes() -> int:
     """Bytes of the chunks the put table holds for reuse (see :func:`enable`)."""
+    table = _current_table()
     with _LOCK:
-        return _TABLE.held
+        return 0 if table is None else table.held
 
 
 # ---------------------------------------------------------------------------------------------
@@ -310,16 +335,34 @@ class _Held:
 
 
 class _Entry:
-    __slots__ = ("held", "j", "ref", "signature", "wref")
+    """Where a put tensor is in the store, and what it was when put: its signature and (a weak
+    reference to) its storage, so that a storage swapped in since (``t.data = ...``, which
+    bumps no counter) is noticed even when the allocator gave it the same address."""
+
+    __slots__ = ("held", "j", "ref", "signature", "storage", "wref")
 
     def __init__(
-        self, held: _Held, j: int, signature: tuple[Any, ...], wref: weakref.ref[torch.Tensor]
+        self,
+        held: _Held,
+        j: int,
+        signature: tuple[Any, ...],
+        storage: StorageWeakRef,
+        wref: weakref.ref[torch.Tensor],
     ) -> None:
         self.held = held
         self.ref = held.ref
         self.j = j
         self.signature = signature
+        self.storage = storage
         self.wref = wref
+
+    def holds(self, t: torch.Tensor, signature: tuple[Any, ...]) -> bool:
+        return (
+            self.wref() is t
+            and self.signature == signature
+            and not self.storage.expired()
+            and self.storage.cdata == t.untyped_storage()._cdata
+        )
 
 
 class _Table:
@@ -348,7 +391,9 @@ class _Table:
         self.chunks[held.key] = held
 
     def release(self, held: _Held) -> None:
-        """Stop holding ``held``: its entries go, so its segments are put again if sent."""
+        """Stop holding ``held``: its entries go, so its segments are put again if sent. Its
+        ref lingers a while: a value being sent may reference the chunk, and Ray counts that
+        reference only once the task that carries the value is submitted."""
         if self.chunks.pop(held.key, None) is None:
             return
         for key in held.keys:
@@ -356,16 +401,27 @@ class _Table:
             if entry is not None and entry.held is held:
                 del self.put[key]
         held.entries = 0
+        _LINGERING.keep(held.ref)
+
+    def shrink(self, cap: int) -> None:
+        """Release the least recently sent chunks until at most ``cap`` bytes are held."""
+        total = self.held
+        while total > cap and self.chunks:
+            oldest = self.chunks[next(iter(self.chunks))]
+            self.release(oldest)
+            total -= oldest.nbytes
 
     def add(self, key: int, entry: _Entry) -> None:
         old = self.put.get(key)
         if old is not None:
-            self.drop_entry(key, old)  # a stale entry of the same tensor
+            self.drop_entry(key, old, linger=True)  # a stale entry of the same tensor
         self.put[key] = entry
         entry.held.keys.append(key)
         entry.held.entries += 1
 
-    def drop_entry(self, key: int, entry: _Entry) -> None:
+    def drop_entry(self, key: int, entry: _Entry, linger: bool = False) -> None:
+        """Drop ``entry``: its tensor died (nothing can be sending it, so a chunk left without
+        entries goes at once) or went stale (``linger``: another thread may be sending it)."""
         if self.put.get(key) is not entry:
             return
         del self.put[key]
@@ -373,10 +429,50 @@ class _Table:
         held.entries -= 1
         if held.entries <= 0 and self.chunks.get(held.key) is held:
             del self.chunks[held.key]
+            if linger:
+                _LINGERING.keep(held.ref)
 
 
-_TABLE = _Table()
+class _Lingering:
+    """Refs of chunks no table holds, kept for ``LINGER_S`` seconds after their last send.
+
+    A chunk's ref in a pickled value is counted by Ray as the outer object's (``ray.put``) or
+    the task's (an argument) only after the pickling ends: a task argument small enough to
+    travel inline (its pickle holds only the refs) is registered after the state that held
+    the ref is gone, so a chunk nothing else holds would be freed before the task reads it."""
+
+    def __init__(self) -> None:
+        self.items: collections.deque[tuple[float, Any]] = collections.deque()
+        self.timer: threading.Timer | None = None
+        self.pid = os.getpid()
+
+    def keep(self, ref: Any) -> None:
+        with _LOCK:
+            self.items.append((time.monotonic() + LINGER_S, ref))
+            self._arm()
+
+    def prune(self) -> None:
+        with _LOCK:
+            now = time.monotonic()
+            while self.items and self.items[0][0] <= now:
+                self.items.popleft()
+            self.timer = None
+            self._arm()
+
+    def _arm(self) -> None:
+        if self.pid != os.getpid():  # a forked child: the parent's timer thread is not here
+            self.pid, self.timer = os.getpid(), None
+        if self.items and self.timer is None:
+            self.timer = threading.Timer(max(0.0, self.items[0][0] - time.monotonic()), self.prune)
+            self.timer.daemon = True
+            self.timer.start()
+
+
+#: seconds a chunk's ref outlives its last send when no table holds it (see ``_Lingering``)
+LINGER_S = 60.0
 _LOCK = threading.RLock()
+_TABLE = _Table()
+_LINGERING = _Lingering()
 
 
 def _session(worker: Any) -> Any:
@@ -397,6 +493,17 @@ def _table() -> _Table:
         if _TABLE.session != session:
             _TABLE = _Table(session)
         return _TABLE
+
+
+def _current_table() -> _Table | None:
+    """The put table of the session this process is connected to, if it has one already."""
+    ray_module = sys.modules.get("ray")
+    if ray_module is None or not ray_module.is_initialized():
+        return None
+    from ray._private import worker as ray_worker
+
+    table = _TABLE
+    return table if table.session == _session(ray_worker.global_worker) else None
 
 
 def _is_driver() -> bool:
@@ -453,9 +560,9 @@ def _forget(key: int, entry: _Entry, table: _Table, lock: Any = _LOCK) -> Any:
 def _lookup(table: _Table, t: torch.Tensor, signature: tuple[Any, ...] | None) -> _Entry | None:
     """The entry of ``t`` if what was put is still what ``t`` holds."""
     entry = table.put.get(id(t))
-    if entry is None or signature is None or entry.wref() is not t:
+    if entry is None or signature is None:
         return None
-    return entry if entry.signature == signature else None
+    return entry if entry.holds(t, signature) else None
 
 
 def encode_segments(segments: list[Any]) -> tuple[Any, ...]:
@@ -546,19 +653,18 @@ def _put_chunk(table: _Table, fresh: list[tuple[torch.Tensor, tuple[Any, ...] | 
         for _, t, _sig in kept:  # entries of these tensors from an earlier put are stale
             old = table.put.get(id(t))
             if old is not None:
-                table.drop_entry(id(t), old)
+                table.drop_entry(id(t), old, linger=True)
         if kept and nbytes <= cap:
             held = _Held(ref, nbytes)
             table.hold(held)
             for j, t, signature in kept:
-                entry = _Entry(held, j, signature, weakref.ref(t))
+                storage = StorageWeakRef(t.untyped_storage())
+                entry = _Entry(held, j, signature, storage, weakref.ref(t))
                 entry.wref = weakref.ref(t, _forget(id(t), entry, table))
                 table.add(id(t), entry)
-            total = table.held
-            while total > cap and table.chunks:
-                oldest = table.chunks[next(iter(table.chunks))]
-                table.release(oldest)
-                total -= oldest.nbytes
+            table.shrink(cap)
+        else:
+            _LINGERING.keep(ref)  # no table holds it: see _Lingering
     _COUNTERS.put_objects += 1
     _COUNTERS.put_segments += len(fresh)
     _COUNTERS.put_bytes += nbytes

@@ -259,6 +259,14 @@ class PackedTensor:
         obj._layout = layout
         return obj
 
+    def __delattr__(self, name: str) -> None:
+        d = self.__dict__
+        if name == "tensors" and "_store" in d:  # the store views go with the tensors
+            del d["_store"]
+            d.pop("tensors", None)
+            return
+        object.__delattr__(self, name)
+
     def _phys(self) -> list[Any]:
         """The physical segments as held: ``tensors``, or the store views of a value read in
         place (which only internal, read-only paths may see)."""
