@@ -11,12 +11,11 @@ member)``. An entry is reused only while the tensor still is what was put: the s
 (the same storage object, so ``t.data = ...`` is seen even at a reused address), the same
 address, shape, strides and dtype, and the same autograd version counter, which every in-place
 torch write bumps (on the tensor, its base or any view of it). Provenance ids never stand in for
-the bytes: two values may share one while their tensors differ. Writes that bypass torch (into a
-``.numpy()`` view or the storage's memory) cannot be seen; tensors without a version counter
-(made under ``torch.inference_mode``) are put each time they are sent. Writes that do not bump
-the tensor's own counter are not seen either: through ``.data`` (a tensor with a counter of its
-own), through another tensor ``set_`` onto the same storage, into ``untyped_storage()``, through
-DLPack or a ``.numpy()`` view. Make such writes before the first send, or send a new tensor.
+the bytes: two values may share one while their tensors differ. Writes that bump no counter of
+the tensor cannot be seen: through the tensor ``.data`` returns (it has a counter of its own),
+through another tensor ``set_`` onto the same storage, into ``untyped_storage()``, through
+DLPack or a ``.numpy()`` view; make them before the first send, or send a new tensor. Tensors
+without a version counter (made under ``torch.inference_mode``) are put each time they are sent.
 
 Only the driver puts chunks (the process that called ``ray.init``): an object belongs to the
 process that put it and is lost when that process exits, so a chunk put by a worker would be
@@ -339,7 +338,7 @@ class _Entry:
     reference to) its storage, so that a storage swapped in since (``t.data = ...``, which
     bumps no counter) is noticed even when the allocator gave it the same address."""
 
-    __slots__ = ("held", "j", "ref", "signature", "storage", "wref")
+    __slots__ = ("held", "j", "signature", "storage", "wref")
 
     def __init__(
         self,
@@ -350,7 +349,6 @@ class _Entry:
         wref: weakref.ref[torch.Tensor],
     ) -> None:
         self.held = held
-        self.ref = held.ref
         self.j = j
         self.signature = signature
         self.storage = storage
@@ -607,7 +605,7 @@ def encode_segments(segments: list[Any]) -> tuple[Any, ...]:
             entry = _lookup(table, t, signature)
             if entry is not None:
                 touched[id(entry.held)] = entry.held
-                hit = (slot_of(entry.ref), entry.j)
+                hit = (slot_of(entry.held.ref), entry.j)
                 reused += 1
             else:
                 fresh_at[id(t)] = len(fresh)
