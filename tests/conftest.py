@@ -37,7 +37,7 @@ def pytest_runtest_call(item: pytest.Item):  # type: ignore[no-untyped-def]
         pytest.fail(f"a Rust panic reached Python in {item.nodeid}: {excinfo[1]!r}")
 
 
-# Energon fixtures shared by the test_energon_* and accounting tests; imported lazily so that
+# Energon fixtures shared by the tests/energon suites; imported lazily so that
 # tests without Energon never load it.
 @pytest.fixture(scope="module")
 def tokenizer() -> Any:

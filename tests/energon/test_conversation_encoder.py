@@ -19,7 +19,7 @@ from mmpack_dev.qwen_vocab import QWEN2_VL_CHAT_TEMPLATE as PLAIN
 from mmpack_dev.qwen_vocab import QWEN2_VL_GENERATION_TEMPLATE as GENERATION
 from mmpack_dev.qwen_vocab import qwen2_vl_tokenizer
 from mmpack_dev.synthetic import build_tokenizer
-from test_energon_chat_template import DIALOGUE, MESSAGES, encoder, mask_of, trained_text
+from test_chat_template import DIALOGUE, MESSAGES, encoder, mask_of, trained_text
 
 MODES = [None, "precomputed"]
 REPLIES = "4<|im_end|>You're welcome.<|im_end|>"
