@@ -27,7 +27,8 @@ __all__ = ["PackedTensor", "__version__"]
 
 def __getattr__(name: str) -> Any:
     if name == "PackedTensor":
-        # from the class's room: ``mmpack.packed`` reports lookups to the pickling bookkeeping
+        # from the class's room: a lookup on ``mmpack.packed`` may start a pickling operation
+        # (``mmpack.packed.pickling.operation_start``)
         from mmpack.packed.value import PackedTensor
 
         return PackedTensor

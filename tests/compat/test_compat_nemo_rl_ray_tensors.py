@@ -18,7 +18,7 @@ import torch
 from mmpack.compat import nemo_rl as compat
 from mmpack.compat.nemo_rl.ray_tensors import tensor_from_bytes
 from mmpack.errors import CorruptPickleError
-from mmpack.packed.pickle_operation import BUFFER_DTYPES
+from mmpack.packed.buffers import BUFFER_DTYPES
 from ray._private.worker import global_worker
 from support import nemo_rl_reference
 from support.nemo_rl_reference import ReferenceBatchedDataDict, ReferenceSlicedDataDict

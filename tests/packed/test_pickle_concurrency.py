@@ -1,4 +1,4 @@
-"""Pickling state belongs to one pickling operation (``mmpack.packed.pickle_format``).
+"""Pickling state belongs to one pickling operation (``mmpack.packed.pickling.format``).
 
 Values of one pickle share the tensors they have in common (written once, one object each
 after loading). What a pickle contains never depends on other pickles: concurrent ones in other
@@ -207,7 +207,7 @@ def test_the_class_lookup_is_seen_once_per_pickler() -> None:
     import sys
 
     import mmpack
-    import mmpack.packed.pickle_operation as operation
+    import mmpack.packed.pickling.operation as operation
 
     module = sys.modules["mmpack.packed"]
     assert module.PackedTensor is P is mmpack.PackedTensor

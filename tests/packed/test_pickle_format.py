@@ -1,4 +1,4 @@
-"""The ``PackedTensor`` pickle format (``mmpack.packed.pickle_format``) is stable: pickles written
+"""The ``PackedTensor`` pickle format (``mmpack.packed.pickling.format``) is stable: pickles written
 by earlier versions load, through ``pickle`` and through ``mmpack.compat.nemo_rl.loads``, and the
 same values still pickle to the same bytes."""
 

@@ -1,4 +1,4 @@
-"""Every group writes the bytes the pickle format defines (``mmpack.packed.pickle_format``),
+"""Every group writes the bytes the pickle format defines (``mmpack.packed.pickling.format``),
 whatever mix of shapes, dtypes and layouts its members have, and reads back to views equal to
 them: member ``j``'s dtype index, rank and dims in the tables, and each dtype's buffer holding
 its members' values back to back in C order."""
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from mmpack.packed import PackedTensor as P
-from mmpack.packed.pickle_operation import BUFFER_DTYPES
+from mmpack.packed.buffers import BUFFER_DTYPES
 
 
 def _i64(values: list[int]) -> bytes:

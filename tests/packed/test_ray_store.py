@@ -22,6 +22,7 @@ import ray
 import torch
 from mmpack.compat import nemo_rl
 from mmpack.packed import PackedTensor, ray_store
+from mmpack.packed.ray_store import put_table
 
 G = 16
 PROMPTS = 4
@@ -29,16 +30,7 @@ SHARDS = 8
 STARTUP_PTH = Path(mmpack.__file__).resolve().parent.parent / "mmpack_startup.pth"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _store_on(ray_session: Any) -> Iterator[None]:
-    # ship this module's helpers by value: the workers do not have tests/ on sys.path
-    ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
-    was_on = ray_store.enabled()
-    ray_store.enable(True)
-    try:
-        yield
-    finally:
-        ray_store.enable(was_on)
+pytestmark = pytest.mark.usefixtures("ray_store_on")
 
 
 def store_used() -> float:
@@ -156,7 +148,7 @@ def test_put_once_read_in_place_and_back_to_baseline() -> None:
     gc.collect()
     used = wait_store(lambda u: u <= base + 1024)
     assert used <= base + 1024, (used, base)
-    assert not ray_store._TABLE.put  # the put table holds nothing once the segments are gone
+    assert not put_table._TABLE.put  # the put table holds nothing once the segments are gone
     assert ray_store.held_bytes() == 0 and ray_store.put_refs() == []
 
 
@@ -398,10 +390,10 @@ def test_put_table_callbacks_survive_interpreter_teardown(monkeypatch: pytest.Mo
     monkeypatch.setattr(sys, "unraisablehook", lambda hook: raised.append(hook.exc_value))
     pixels = PackedTensor(torch.randn(64, 1176), dim_to_pack=0).enable_deduplication()
     ref = ray.put(pixels)
-    table = ray_store._TABLE.put
+    table = put_table._TABLE.put
     assert any(e.wref() is not None for e in table.values())
-    monkeypatch.setattr(ray_store, "_TABLE", None)
-    monkeypatch.setattr(ray_store, "_LOCK", None)
+    monkeypatch.setattr(put_table, "_TABLE", None)
+    monkeypatch.setattr(put_table, "LOCK", None)
     del pixels
     gc.collect()
     assert raised == []

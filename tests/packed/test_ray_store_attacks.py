@@ -19,19 +19,14 @@ from typing import Any
 import pytest
 import torch
 from mmpack import PackedTensor
+from mmpack.errors import PackedTensorError
 from mmpack.packed import ray_store
+from mmpack.packed.ray_store import put_table, switch
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _store_on(ray_session: Any) -> Iterator[None]:
-    was = ray_store.enabled()
-    ray_store.enable(True)
-    try:
-        yield
-    finally:
-        ray_store.enable(was)
+pytestmark = pytest.mark.usefixtures("ray_store_on")
 
 
 def _remote_as_tensor() -> Any:
@@ -213,7 +208,7 @@ def test_the_hook_reads_off_values_as_off() -> None:
 def test_the_store_path_reads_the_variable_like_the_hook(monkeypatch: pytest.MonkeyPatch) -> None:
     for value, on in [(v, False) for v in OFF] + [(v, True) for v in ON]:
         monkeypatch.setenv(ray_store.ENV_VAR, value)
-        assert ray_store._env_on() is on, value
+        assert switch.env_on() is on, value
 
 
 def test_a_broken_mmpack_never_breaks_interpreter_start(tmp_path: Path) -> None:
@@ -361,7 +356,7 @@ def test_a_value_returned_by_an_actor_outlives_the_actor() -> None:
 def test_the_put_table_holds_at_most_its_cap_the_least_recently_sent_going_first() -> None:
     import ray
 
-    with pytest.raises(ValueError, match="held_bytes"):
+    with pytest.raises(PackedTensorError, match="held_bytes"):
         ray_store.enable(True, held_bytes=-1)
     size = 64 * 1024  # one chunk: 16,384 float32
     ray_store.enable(True, held_bytes=int(size * 2.5))
@@ -402,7 +397,7 @@ def test_the_default_cap_is_half_the_nodes_object_store() -> None:
     assert ray_store.held_bytes() == value.physical_nbytes()
     node = ray.get_runtime_context().get_node_id()
     store = next(n["Resources"]["object_store_memory"] for n in ray.nodes() if n["NodeID"] == node)
-    assert ray_store._TABLE.cap == int(store // 2)
+    assert put_table._TABLE.cap == int(store // 2)
 
 
 RECONNECT = """

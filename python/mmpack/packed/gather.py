@@ -51,6 +51,7 @@ __all__ = [
     "NOT_COVERED",
     "as_tensor",
     "as_tensor_from_store",
+    "logical_nbytes",
     "padded_logical_nbytes",
     "segment_nbytes",
 ]
@@ -332,6 +333,23 @@ def _padding(shape: Sequence[int], max_shape: Sequence[int], pack_dim: int) -> l
     for d in reversed(range(len(max_shape))):
         padding.extend((0, 0 if d == pack_dim else max_shape[d] - shape[d]))
     return padding
+
+
+def logical_nbytes(
+    tensors: Sequence[Any], csr: PackedLayout | None, dim_to_pack: int, pad_to_max_shape: bool
+) -> int:
+    """Bytes ``as_tensor`` materializes from ``tensors`` in the row order of ``csr`` (each
+    segment once, in order, without one): every logical reference counts its segment's bytes;
+    with ``pad_to_max_shape``, the padded bytes (unpadded when the segments cannot be padded,
+    where ``as_tensor`` raises). O(segments)."""
+    if pad_to_max_shape:
+        if csr is None:
+            refs = [0 if t is None else 1 for t in tensors]
+        else:
+            refs = csr.reference_counts(len(tensors)).tolist()
+        return padded_logical_nbytes(tensors, refs, dim_to_pack)
+    nbytes = [segment_nbytes(t) for t in tensors]
+    return sum(nbytes) if csr is None else int(csr.logical_nbytes(nbytes))
 
 
 def padded_logical_nbytes(tensors: Sequence[Any], refs: Sequence[int], dim_to_pack: int) -> int:

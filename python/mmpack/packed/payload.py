@@ -93,9 +93,13 @@ class _Acc:
 
     def packed(self, value: Any) -> None:
         """One ``PackedTensor``-like value, in one native call (no per-segment Python)."""
-        totals = _native.measure_segments(
-            value.tensors, _segment_order(value), self.seen, _ARRAY_TYPES
-        )
+        if isinstance(value, PackedTensor):
+            state = value.packed_state()
+            lay = state.layout
+            segments, order = state.segments, None if lay is None else lay.indices()
+        else:
+            segments, order = value.tensors, _raw_segment_order(value)
+        totals = _native.measure_segments(segments, order, self.seen, _ARRAY_TYPES)
         self.physical_bytes += totals.physical_bytes
         self.physical_segments += totals.physical_segments
         self.logical_bytes += totals.logical_bytes
@@ -107,11 +111,9 @@ class _Acc:
 _ARRAY_TYPES = (torch.Tensor, np.ndarray)
 
 
-def _segment_order(value: Any) -> np.ndarray | None:
-    """The physical index of every logical segment, or ``None`` for the legacy layout."""
-    if isinstance(value, PackedTensor):
-        lay = value._lay()
-        return None if lay is None else lay.indices()
+def _raw_segment_order(value: Any) -> np.ndarray | None:
+    """The physical index of every logical segment of a foreign value (NeMo-RL's fields), or
+    ``None`` for the legacy layout."""
     indices_list = getattr(value, "_segment_indices", None)
     if indices_list is None:
         return None

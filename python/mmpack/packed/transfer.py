@@ -30,6 +30,8 @@ __all__ = [
     "DeviceLike",
     "TransferCounters",
     "byte_view",
+    "cast_floating",
+    "casts",
     "gather_bytes",
     "host_buffer",
     "is_plain_cpu",
@@ -110,6 +112,24 @@ class _Bytes:
             "typestr": "|u1",
             "version": 3,
         }
+
+
+def casts(segments: Sequence[Any], dtype: torch.dtype) -> bool:
+    """Whether :func:`cast_floating` would cast any of ``segments`` (store views included)."""
+    return any(
+        item is not None and item.is_floating_point() and item.dtype != dtype for item in segments
+    )
+
+
+def cast_floating(segments: Sequence[Any], dtype: torch.dtype) -> list[Any] | None:
+    """``segments`` with every floating segment cast to ``dtype`` (integer segments and ``None``
+    the same objects), or ``None`` when none needs a cast."""
+    if not casts(segments, dtype):
+        return None
+    return [
+        item if item is None or not item.is_floating_point() else item.to(dtype=dtype)
+        for item in segments
+    ]
 
 
 def byte_view(t: torch.Tensor) -> np.ndarray:

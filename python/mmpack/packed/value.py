@@ -15,35 +15,26 @@ NeMo-RL states map onto it as:
 equal to NeMo-RL's) and assignable (revalidated). Whole-batch operations (``concat``,
 ``slice``, ``shard``, ``repeat_interleave``, counts) are one native call each. ``as_tensor``
 delegates to ``mmpack.packed.gather`` (the only materialization path), ``to`` to
-``mmpack.packed.transfer``, and pickling to ``mmpack.packed.pickle_format``. The class is
+``mmpack.packed.transfer``, and pickling to ``mmpack.packed.pickling``. The class is
 published as ``mmpack.packed.PackedTensor`` (its ``__module__``), the path pickles name; the
-package serves it from there (see ``mmpack.packed`` for why).
+package serves it from there (see ``mmpack.packed.pickling.operation_start`` for why).
 
 Extras beyond NeMo-RL: :meth:`PackedTensor.repeat_interleave`, :meth:`PackedTensor.shard`,
 :meth:`PackedTensor.csr`, :meth:`PackedTensor.physical_nbytes`,
-:meth:`PackedTensor.logical_nbytes`, and a compact pickle format (see ``__reduce_ex__``).
-
-Private hooks for other mmpack modules:
-
-* ``csr()``: row offsets and segment indices as read-only int64 arrays;
-* ``PackedTensor._make(tensors, dim_to_pack, pad_to_max_shape, layout)``: build a value without
-  validation from a tensors list and a ``PackedLayout`` (or ``None`` for state L);
-  ``PackedLayout.build(n_physical, offsets, indices, provenance=None, provenance_blob=None)``
-  builds (and validates) a handle from int64 arrays and provenance;
-* ``_layout_of(value)``: the handle of any PackedTensor-like value (the native ``concat``
-  calls it for values without one).
+:meth:`PackedTensor.logical_nbytes`, a compact pickle format (see ``__reduce_ex__``), and the
+state surface serialization reads (``packed_state()`` / ``from_packed_state()``, see
+``mmpack.packed.state``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from copy import deepcopy
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
 
-from mmpack._coerce import I64_MAX, I64_MIN, count_int, host_tensor, index_array
+from mmpack._coerce import count_int, host_tensor, index_array
 from mmpack._native import (
     IndexOverflowError,
     LayoutError,
@@ -52,13 +43,16 @@ from mmpack._native import (
     packed_concat,
 )
 from mmpack.packed import gather as _gather
-from mmpack.packed import pickle_format as _pickle_format
-from mmpack.packed import ray_store as _ray_store
 from mmpack.packed import transfer as _transfer
+from mmpack.packed.nemo_fields import RawField, empty_rows_layout
+from mmpack.packed.nemo_fields import layout_from_fields as _build_layout
+from mmpack.packed.pickling import format as _pickle_format
+from mmpack.packed.storage import SegmentStorage
 
 __all__ = ["PackedTensor"]
 
-_EMPTY_I64 = np.zeros(0, dtype=np.int64)
+#: How the native concat combines values (one of NeMo-RL's three class methods).
+_Combine = Literal["concat", "merge_segments", "flattened_concat"]
 
 
 def _rows_array(idx: Any, n_rows: int) -> np.ndarray:
@@ -75,74 +69,6 @@ def _rows_array(idx: Any, n_rows: int) -> np.ndarray:
 
 # ---------------------------------------------------------------------------------------------
 # native handles from NeMo-RL's fields
-
-
-class _Missing:
-    """Marks a value whose native handle was not built yet (raw ``__dict__`` state)."""
-
-    __slots__ = ()
-
-    def __repr__(self) -> str:
-        return "<no PackedLayout yet>"
-
-
-_MISSING: Any = _Missing()
-_BOTH_OR_NEITHER = "_row_offsets and _segment_indices must either both be set or both be None"
-_new_object = object.__new__
-
-
-def _build_layout(
-    n_physical: int,
-    row_offsets: Any,
-    segment_indices: Any,
-    provenance: Any,
-) -> PackedLayout | None:
-    """Validate NeMo-RL's constructor arguments (its rules, order and messages) into a handle;
-    ``None`` for state L."""
-    if (row_offsets is None) != (segment_indices is None):
-        raise LayoutError(_BOTH_OR_NEITHER)
-    if row_offsets is None and provenance is None:
-        return None
-    if isinstance(provenance, (bytes, bytearray, str)) or (
-        provenance is not None and not hasattr(provenance, "__len__")
-    ):
-        raise TypeError(
-            f"_segment_provenance must be a list of bytes, got {type(provenance).__name__}"
-        )
-    if row_offsets is None:
-        return PackedLayout.build(n_physical, provenance=provenance)
-    offsets = index_array(row_offsets, "_row_offsets")
-    indices = index_array(segment_indices, "_segment_indices")
-    if isinstance(offsets, list) or isinstance(indices, list):
-        _raise_beyond_int64([int(x) for x in offsets], [int(x) for x in indices], n_physical)
-    assert isinstance(offsets, np.ndarray) and isinstance(indices, np.ndarray)
-    return PackedLayout.build(n_physical, offsets, indices, provenance=provenance)
-
-
-def _raise_beyond_int64(offsets: list[int], indices: list[int], n_physical: int) -> None:
-    """Raise the core's error for a row mapping holding values beyond int64 (there always is
-    one: such an offset breaks the ordering or the end rule, such an index is out of range).
-
-    The core takes int64, so it validates stand-ins that keep every comparison its checks make
-    (the order of adjacent offsets, offsets equal to 0 or to the number of references, indices
-    in range); its ``LayoutError`` is the ``ValueError`` NeMo-RL raises, with its message."""
-    stand_in_offsets = _order_stand_ins(offsets, 0, len(indices))
-    stand_in_indices = [min(max(v, I64_MIN), I64_MAX) for v in indices]
-    try:
-        PackedLayout.build(n_physical, stand_in_offsets, np.array(stand_in_indices, dtype=np.int64))
-    except LayoutError as exc:
-        raise LayoutError(f"{exc} (values beyond int64 are shown as int64 stand-ins)") from None
-    raise LayoutError("row mapping values do not fit in int64")  # pragma: no cover
-
-
-def _order_stand_ins(values: list[int], lo: int, hi: int) -> np.ndarray:
-    """``values`` as int64, in the same order among them and relative to ``[lo, hi]``: the
-    values inside that span are kept, the others move to the int64 limits by rank."""
-    above = sorted({v for v in values if v > hi})
-    below = sorted({v for v in values if v < lo})
-    stand_in = {v: I64_MAX - len(above) + 1 + i for i, v in enumerate(above)}
-    stand_in.update({v: I64_MIN + i for i, v in enumerate(below)})
-    return np.array([stand_in.get(v, v) for v in values], dtype=np.int64)
 
 
 def _layouts_of(values: list[Any]) -> list[PackedLayout | None]:
@@ -167,56 +93,16 @@ def _layouts_of(values: list[Any]) -> list[PackedLayout | None]:
     return out
 
 
-class _PrivateTensors:
-    """``tensors`` of a value read in place from Ray's object store (its segments in
-    ``__dict__["_store"]``): the first read replaces them with private copies, so that no API
-    that hands out a segment can write into the store. Values built any other way hold
-    ``tensors`` in their ``__dict__``, which takes precedence over this (non-data) descriptor."""
-
-    def __get__(self, obj: Any, cls: Any = None) -> Any:
-        if obj is None:
-            return self
-        d = obj.__dict__
-        store = _store_views(obj)
-        if store is None:
-            raise AttributeError(f"{type(obj).__name__!r} object has no attribute 'tensors'")
-        tensors = _ray_store.private_copies(store)
-        d["tensors"] = tensors
-        d.pop("_store", None)
-        return tensors
-
-
-def _store_views(obj: Any) -> list[Any] | None:
-    """The store views of a value read in place, or ``None``. A ``tensors`` list assigned since
-    (it sits in ``__dict__`` beside them) replaces them: the views are dropped."""
-    d = obj.__dict__
-    store = d.get("_store")
-    if store is not None and "tensors" in d:
-        del d["_store"]
-        return None
-    return store
-
-
 # ---------------------------------------------------------------------------------------------
 # the class
 
 
-class PackedTensor:
-    """A logical batch of rows backed by packable tensor segments (NeMo-RL's semantics).
-
-    See the module docstring for the states and the native handle.
-    """
+class PackedTensor(SegmentStorage):
+    """A logical batch of rows backed by packable tensor segments (NeMo-RL's semantics); see the
+    module docs for its states and ``mmpack.packed.storage`` for how a value holds them."""
 
     # The public path, which pickles name and ``mmpack.packed`` serves (pickling detection).
     __module__ = "mmpack.packed"
-
-    # Class-level default: values built by ``__new__`` + ``__dict__`` assignment (old pickles,
-    # NeMo-RL's own tests) have no handle yet; ``_lay()`` adopts their raw fields on first use.
-    _layout: Any = _MISSING
-    _store: list[Any]
-    tensors: list[Any] = _PrivateTensors()  # type: ignore[assignment]
-    dim_to_pack: Any
-    pad_to_max_shape: Any
 
     def __init__(
         self,
@@ -247,131 +133,16 @@ class PackedTensor:
             len(items), _row_offsets, _segment_indices, _segment_provenance
         )
 
-    @classmethod
-    def _make_store(
-        cls, store: list[Any], dim_to_pack: Any, pad_to_max_shape: Any, layout: PackedLayout | None
-    ) -> PackedTensor:
-        """Like ``_make``, for segments read in place from the object store."""
-        obj = object.__new__(cls)
-        obj._store = store
-        obj.dim_to_pack = dim_to_pack
-        obj.pad_to_max_shape = pad_to_max_shape
-        obj._layout = layout
-        return obj
-
-    def __delattr__(self, name: str) -> None:
-        d = self.__dict__
-        if name == "tensors" and "_store" in d:  # the store views go with the tensors
-            del d["_store"]
-            d.pop("tensors", None)
-            return
-        object.__delattr__(self, name)
-
-    def _phys(self) -> list[Any]:
-        """The physical segments as held: ``tensors``, or the store views of a value read in
-        place (which only internal, read-only paths may see)."""
-        store = _store_views(self)
-        return self._tensor_list() if store is None else store
-
-    def _remake(self, phys: list[Any], new: list[Any], layout: PackedLayout | None) -> PackedTensor:
-        """A value over ``new`` (selected from ``phys``, what ``_phys()`` gave), read in place
-        like ``self`` when ``phys`` was its store views."""
-        if phys is _store_views(self):
-            return type(self)._make_store(new, self.dim_to_pack, self.pad_to_max_shape, layout)
-        return type(self)._make(new, self.dim_to_pack, self.pad_to_max_shape, layout)
-
-    @classmethod
-    def _make(
-        cls,
-        tensors: list[Any],
-        dim_to_pack: Any,
-        pad_to_max_shape: Any,
-        layout: PackedLayout | None,
-    ) -> PackedTensor:
-        """Build a value from parts the core already validated (no checks)."""
-        obj = object.__new__(cls)
-        obj.tensors = tensors
-        obj.dim_to_pack = dim_to_pack
-        obj.pad_to_max_shape = pad_to_max_shape
-        obj._layout = layout
-        return obj
-
-    # ----------------------------------------------------------------- handle and raw state
-
-    def _lay(self) -> PackedLayout | None:
-        lay = self._layout
-        if lay is _MISSING:
-            return self._adopt_raw()
-        return lay
-
-    def _adopt_raw(self) -> PackedLayout | None:
-        """Turn NeMo-RL's raw fields in ``__dict__`` (if any) into the native handle."""
-        d = self.__dict__
-        raw = [d.pop(k, None) for k in _pickle_format.RAW_FIELDS]
-        lay = _build_layout(len(d.get("tensors", ())), *raw)
-        d["_layout"] = lay
-        return lay
-
     def __setstate__(self, state: dict[str, Any]) -> None:
         """Restore mmpack's own pickles (see ``__reduce_ex__``) and NeMo-RL's: its current
         six-field state and the pre-deduplication three-field state (state L). A state that is
-        neither (a corrupt pickle) raises ``LayoutError``. See ``mmpack.packed.pickle_format``."""
-        _pickle_format.restore(self, state)
+        neither (a corrupt pickle) raises ``LayoutError``. See ``mmpack.packed.pickling``."""
+        self._take_state(_pickle_format.restore(type(self), state))
 
-    # ------------------------------------------------------------------ NeMo-RL fields
-
-    @property
-    def _row_offsets(self) -> list[int] | None:
-        lay = self._lay()
-        return None if lay is None else lay.offsets_list()
-
-    @_row_offsets.setter
-    def _row_offsets(self, value: list[int] | None) -> None:
-        self._set_fields(offsets=value)
-
-    @property
-    def _segment_indices(self) -> list[int] | None:
-        lay = self._lay()
-        return None if lay is None else lay.indices_list()
-
-    @_segment_indices.setter
-    def _segment_indices(self, value: list[int] | None) -> None:
-        self._set_fields(indices=value)
-
-    @property
-    def _segment_provenance(self) -> list[bytes] | None:
-        lay = self._lay()
-        return None if lay is None else lay.provenance_list()
-
-    @_segment_provenance.setter
-    def _segment_provenance(self, value: list[bytes] | None) -> None:
-        lay = self._lay()
-        n = len(self.tensors)
-        if lay is None or not lay.is_csr:
-            self.__dict__["_layout"] = _build_layout(n, None, None, value)
-        elif value is None:
-            self.__dict__["_layout"] = lay.with_provenance(None)
-        else:
-            self.__dict__["_layout"] = PackedLayout.build(
-                n, lay.offsets(), lay.indices(), provenance=value
-            )
-
-    _UNSET: Any = object()
-
-    def _set_fields(self, *, offsets: Any = _UNSET, indices: Any = _UNSET) -> None:
-        """Assignment to ``_row_offsets`` / ``_segment_indices``, revalidated. Assigning None
-        to either drops the CSR mapping (back to the legacy layout)."""
-        lay = self._lay()
-        if offsets is None or indices is None:
-            prov = None if lay is None else lay.provenance_list()
-            self.__dict__["_layout"] = _build_layout(len(self.tensors), None, None, prov)
-            return
-        cur_off = None if lay is None else lay.offsets()
-        cur_idx = None if lay is None else lay.indices()
-        new_off = cur_off if offsets is self._UNSET else offsets
-        new_idx = cur_idx if indices is self._UNSET else indices
-        prov = None if lay is None else lay.provenance_list()
-        self.__dict__["_layout"] = _build_layout(len(self.tensors), new_off, new_idx, prov)
+    # NeMo-RL's row-mapping attributes, as views over the handle
+    _row_offsets = RawField("offsets", SegmentStorage._lay, SegmentStorage._set_layout)
+    _segment_indices = RawField("indices", SegmentStorage._lay, SegmentStorage._set_layout)
+    _segment_provenance = RawField("provenance", SegmentStorage._lay, SegmentStorage._set_layout)
 
     # ------------------------------------------------------------------ basics
 
@@ -386,10 +157,6 @@ class PackedTensor:
         """Whether this value carries provenance (NeMo-RL: ``_segment_provenance is not None``)."""
         lay = self._lay()
         return lay is not None and lay.has_provenance
-
-    def _tensor_list(self) -> list[Any]:
-        t = self.tensors
-        return t if type(t) is list else list(t)
 
     def logical_segment_counts_by_row(self) -> list[int]:
         """The number of non-``None`` segments in each logical row."""
@@ -413,42 +180,10 @@ class PackedTensor:
         lay = self._lay()
         n = len(self.tensors)
         if lay is None:
-            self.__dict__["_layout"] = PackedLayout.legacy_dedup(n)
+            self._set_layout(PackedLayout.legacy_dedup(n))
         elif not lay.has_provenance:
-            self.__dict__["_layout"] = lay.with_provenance(PackedLayout.mint(n))
+            self._set_layout(lay.with_provenance(PackedLayout.mint(n)))
         return self
-
-    # ------------------------------------------------------------------ copies
-
-    def __copy__(self) -> PackedTensor:
-        obj = object.__new__(type(self))
-        obj.__dict__.update(self.__dict__)
-        return obj
-
-    def __deepcopy__(self, memo: dict[int, Any]) -> PackedTensor:
-        """Dedup values share their tensors and provenance; others deep-copy their tensors.
-
-        Hot in NeMo-RL's G-expansion (one call per copy of every prompt's value).
-        """
-        # copy.deepcopy keeps the original alive in ``memo[id(memo)]`` and creates that list by
-        # catching a KeyError on a fresh memo; creating it here skips the exception.
-        memo.setdefault(id(memo), [])
-        lay = self._layout
-        if lay is _MISSING:
-            lay = self._lay()
-        store = _store_views(self)
-        if store is not None:  # read-only views: the copy may share them
-            return self._make_store(list(store), self.dim_to_pack, self.pad_to_max_shape, lay)
-        if lay is not None and lay.has_provenance:
-            tensors = list(self.tensors)
-        else:
-            tensors = [deepcopy(item, memo) for item in self.tensors]
-        copied = _new_object(type(self))
-        copied.tensors = tensors
-        copied.dim_to_pack = self.dim_to_pack
-        copied.pad_to_max_shape = self.pad_to_max_shape
-        copied._layout = lay
-        return copied
 
     # ------------------------------------------------------------------ materialization
 
@@ -467,7 +202,7 @@ class PackedTensor:
         ``pin_memory=True`` (needs CUDA). See ``mmpack.packed.gather``."""
         lay = self._lay()
         indices = lay.indices() if lay is not None and lay.is_csr else None
-        store = _store_views(self)
+        store = self._store_views()
         if store is not None and device is None:
             result = _gather.as_tensor_from_store(
                 store, indices, self.dim_to_pack, self.pad_to_max_shape, out, pin_memory
@@ -492,7 +227,7 @@ class PackedTensor:
         ``non_blocking`` applies only towards CUDA). See
         ``mmpack.packed.transfer.move_segments``."""
         d = self.__dict__
-        store = _store_views(self)
+        store = self._store_views()
         d["tensors"] = _transfer.move_segments(
             self.tensors if store is None else store, device, non_blocking=non_blocking
         )
@@ -502,24 +237,15 @@ class PackedTensor:
     def to_dtype(self, dtype: torch.dtype) -> PackedTensor:
         """A new wrapper with floating segments cast to ``dtype``. Integer segments and ``None``
         stay the same objects. A real cast mints fresh provenance for every segment."""
-        store = _store_views(self)
-        requires = any(
-            item is not None and item.is_floating_point() and item.dtype != dtype
-            for item in (self.tensors if store is None else store)
-        )
+        store = self._store_views()
         lay = self._lay()
-        if store is not None and not requires:  # nothing to cast: still read in place
+        if store is not None and not _transfer.casts(store, dtype):  # still read in place
             return type(self)._make_store(list(store), self.dim_to_pack, self.pad_to_max_shape, lay)
-        tensors = self.tensors
-        if requires:
-            new = [
-                item if item is None or not item.is_floating_point() else item.to(dtype=dtype)
-                for item in tensors
-            ]
-            if lay is not None and lay.has_provenance:
-                lay = lay.reminted()
-        else:
-            new = list(tensors)
+        new = _transfer.cast_floating(self.tensors, dtype)
+        if new is None:
+            new = list(self.tensors)
+        elif lay is not None and lay.has_provenance:
+            lay = lay.reminted()
         return type(self)._make(new, self.dim_to_pack, self.pad_to_max_shape, lay)
 
     # ------------------------------------------------------------------ rows
@@ -566,48 +292,39 @@ class PackedTensor:
             dedup_or_csr = other._lay() is not None
         else:
             dedup_or_csr = other.deduplication_enabled or other._row_offsets is not None
-        csr = dedup_or_csr or n == 0
-        too_big = f"num_rows={n} empty rows cannot be allocated"
-        try:
-            rows: Any = np.zeros(n + 1, dtype=np.int64) if csr else [None] * n
-        except (MemoryError, ValueError) as exc:  # numpy: "array is too big"
-            raise IndexOverflowError(too_big) from exc
-        if csr:
-            try:
-                lay = PackedLayout.build(
-                    0, rows, _EMPTY_I64, provenance_blob=b"" if dedup_or_csr else None
-                )
-            except IndexOverflowError as exc:  # the layout's own copy of the offsets
-                raise IndexOverflowError(too_big) from exc
+        if dedup_or_csr or n == 0:
+            lay = empty_rows_layout(n, provenance=dedup_or_csr)
             return cls._make([], other.dim_to_pack, other.pad_to_max_shape, lay)
+        try:
+            rows = [None] * n
+        except MemoryError as exc:
+            raise IndexOverflowError(f"num_rows={n} empty rows cannot be allocated") from exc
         return cls(rows, other.dim_to_pack, pad_to_max_shape=other.pad_to_max_shape)
 
     @classmethod
     def concat(cls, from_packed_tensors: list[PackedTensor]) -> PackedTensor:
         """Concatenate rows. If any input is dedup-enabled or CSR, physical segments are
         re-interned by provenance (first occurrence wins) and the result is dedup-enabled."""
-        values = list(from_packed_tensors)
-        out = packed_concat(values, _layouts_of(values), "concat")
-        assert out.tensors is not None
-        return cls._make(out.tensors, out.dim_to_pack, out.pad_to_max_shape, out.layout)
+        return cls._combined(from_packed_tensors, "concat")
 
     @classmethod
     def merge_segments(cls, from_packed_tensors: list[PackedTensor]) -> PackedTensor:
         """Merge one conversation's per-turn values: legacy inputs give one row per turn,
         otherwise a single row re-interned like ``concat``."""
-        values = list(from_packed_tensors)
-        out = packed_concat(values, _layouts_of(values), "merge_segments")
-        assert out.tensors is not None
-        return cls._make(out.tensors, out.dim_to_pack, out.pad_to_max_shape, out.layout)
+        return cls._combined(from_packed_tensors, "merge_segments")
 
     @classmethod
     def flattened_concat(cls, from_packed_tensors: list[PackedTensor]) -> PackedTensor:
         """Cross-conversation batch step: dedup inputs (one row each) are re-interned like
         ``concat``; legacy inputs are each materialized into one row."""
+        return cls._combined(from_packed_tensors, "flattened_concat")
+
+    @classmethod
+    def _combined(cls, from_packed_tensors: list[PackedTensor], how: _Combine) -> PackedTensor:
         values = list(from_packed_tensors)
-        out = packed_concat(values, _layouts_of(values), "flattened_concat")
+        out = packed_concat(values, _layouts_of(values), how)
         dim, pad = out.dim_to_pack, out.pad_to_max_shape
-        if out.tensors is None:
+        if out.tensors is None:  # flattened_concat of legacy values: each materialized
             return cls([p.as_tensor() for p in values], dim, pad_to_max_shape=pad)
         return cls._make(out.tensors, dim, pad, out.layout)
 
@@ -649,15 +366,13 @@ class PackedTensor:
         """Row offsets and segment indices as read-only int64 arrays (the identity mapping
         ``arange(n + 1)``, ``arange(n)`` for the legacy layout)."""
         lay = self._lay()
-        offsets = indices = None
         if lay is not None and lay.is_csr:
             offsets, indices = lay.offsets(), lay.indices()
-        if offsets is None or indices is None:
+        else:
             n = len(self.tensors)
-            offsets = np.arange(n + 1, dtype=np.int64)
-            indices = np.arange(n, dtype=np.int64)
-        offsets.flags.writeable = False
-        indices.flags.writeable = False
+            offsets, indices = np.arange(n + 1, dtype=np.int64), np.arange(n, dtype=np.int64)
+        assert offsets is not None and indices is not None
+        offsets.flags.writeable = indices.flags.writeable = False
         return offsets, indices
 
     def physical_nbytes(self) -> int:
@@ -670,20 +385,8 @@ class PackedTensor:
         bytes; with ``pad_to_max_shape``, the padded bytes (unpadded when the segments cannot
         be padded, where ``as_tensor`` raises). O(segments)."""
         lay = self._lay()
-        tensors = self._phys()
-        if self.pad_to_max_shape:
-            return self._padded_logical_nbytes(lay, tensors)
-        nbytes = [_gather.segment_nbytes(t) for t in tensors]
-        if lay is None or not lay.is_csr:
-            return sum(nbytes)
-        return lay.logical_nbytes(nbytes)
-
-    def _padded_logical_nbytes(self, lay: PackedLayout | None, tensors: list[Any]) -> int:
-        if lay is None or not lay.is_csr:
-            refs = [0 if t is None else 1 for t in tensors]
-        else:
-            refs = lay.reference_counts(len(tensors)).tolist()
-        return _gather.padded_logical_nbytes(tensors, refs, self.dim_to_pack)
+        csr = lay if lay is not None and lay.is_csr else None
+        return _gather.logical_nbytes(self._phys(), csr, self.dim_to_pack, self.pad_to_max_shape)
 
     # ------------------------------------------------------------------ pickling
 
@@ -691,5 +394,5 @@ class PackedTensor:
         """Pickle as ``copyreg._reconstructor(cls, object, None)`` plus a state dict of builtin
         types (so a restricted unpickler that admits the class admits the value): the row
         mapping as int64 bytes and one provenance blob, plain CPU tensors as one byte buffer per
-        dtype shared by every value of the same pickle. See ``mmpack.packed.pickle_format``."""
-        return _pickle_format.reduce(self, PackedTensor)
+        dtype shared by every value of the same pickle. See ``mmpack.packed.pickling``."""
+        return _pickle_format.reduce(self, self.packed_state(in_place=True), PackedTensor)

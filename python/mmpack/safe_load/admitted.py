@@ -6,7 +6,7 @@ do when a payload calls it (``REDUCE``), instantiates it (``NEWOBJ``) or gives i
 and the single gate is what may be done with them: :meth:`Admitted.call` runs a checked version
 of the few callables a payload needs, found by identity; :meth:`Admitted.new` creates
 PackedTensor instances only; :meth:`Admitted.build` sets the state of PackedTensor values only
-(through ``mmpack.packed.pickle_format.restore``, which charges what it builds). Every other
+(through ``mmpack.packed.pickling.format.restore``, which charges what it builds). Every other
 use of an admitted object, and every other global, raises
 :class:`~mmpack.errors.UnsafePickleError` before anything is called. SECURITY.md lists each
 admitted global with how it is charged.

@@ -11,7 +11,7 @@ The constants below are upper bounds of what CPython (64-bit, 3.10 to 3.13) allo
 with ``tracemalloc`` at the container sizes where a resize makes the old and the new table live
 together. ``mmpack.safe_load.machine`` charges them per opcode, the admitted callables
 (``mmpack.safe_load.admitted``) per result, and restoring a PackedTensor state through the hook
-``mmpack.packed.restore_charge.RESTORE_CHARGE``, which a load points at its budget.
+``mmpack.packed.pickling.restore_charge.RESTORE_CHARGE``, which a load points at its budget.
 """
 
 from __future__ import annotations

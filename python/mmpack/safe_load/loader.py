@@ -30,7 +30,7 @@ import os
 from typing import IO, Any
 
 from mmpack.errors import CorruptPickleError, MmpackError, PickleTooLargeError
-from mmpack.packed.restore_charge import RESTORE_CHARGE
+from mmpack.packed.pickling.restore_charge import RESTORE_CHARGE
 from mmpack.safe_load import budget as cost
 from mmpack.safe_load.admitted import NEMO_RL_MODULE, Admitted
 from mmpack.safe_load.budget import Budget, check_max_bytes

@@ -668,9 +668,50 @@ pub fn concat(parts: &[ThdView<'_>], opts: &BatchOptions) -> CoreResult<ThdLayou
     }
     let layout = check_options(opts)?;
     layout.check_thd_target()?;
-    let multiple = layout.multiple;
-    // The total first: checking each pack's fields reads every position, so packs that can
-    // never fit int32 offsets are refused before that work, not after it.
+    let total = parts_total(parts)?;
+    check_parts(parts, opts, layout.multiple)?;
+    let mut extra = 0;
+    if let Some(target) = layout.pad_to_length {
+        if total > target {
+            return Err(option_error(
+                "pad_to_length",
+                format!("the packs hold {total} positions, more than pad_to_length={target}"),
+            ));
+        }
+        extra = target - total;
+    }
+    // `total + extra` is at most pad_to_length, itself at most THD_MAX.
+    let cells = total + extra;
+    let bytes = alloc::bytes_of::<u8>(cells).and_then(|b| b.checked_mul(BYTES_PER_POSITION));
+    let refused = || layout.alloc_error(cells, bytes, extra > 0);
+    alloc::probe(bytes, refused)?;
+    let mut fields = Fields::with_capacity(cells, refused)?;
+    let mut joined = append_parts(&mut fields, parts)?;
+    if extra > 0 {
+        let last_width = joined.last_width;
+        fields.extend_last(last_width, extra, opts.pad_token_id, opts.ignore_index)?;
+        let end = joined.end_padded + extra;
+        if let Some(last) = joined.cu_seqlens_padded.last_mut() {
+            *last = as_i32(end)?;
+        }
+        joined.max_seqlen = joined.max_seqlen.max(last_width + extra);
+    }
+    Ok(ThdLayout {
+        input_ids: fields.input_ids,
+        labels: fields.labels,
+        loss_mask: fields.loss_mask,
+        token_mask: fields.token_mask,
+        position_ids: fields.position_ids,
+        cu_seqlens: joined.cu_seqlens,
+        cu_seqlens_padded: joined.cu_seqlens_padded,
+        max_seqlen: joined.max_seqlen,
+    })
+}
+
+/// The positions of all packs together. Computed first: checking each pack's fields reads
+/// every position, so packs that can never fit int32 offsets are refused before that work,
+/// not after it.
+fn parts_total(parts: &[ThdView<'_>]) -> CoreResult<usize> {
     let mut total: usize = 0;
     for part in parts {
         total = total
@@ -684,6 +725,13 @@ pub fn concat(parts: &[ThdView<'_>], opts: &BatchOptions) -> CoreResult<ThdLayou
             what: "cu_seqlens (int32): the packs hold more positions than int32 offsets",
         });
     }
+    Ok(total)
+}
+
+/// Each pack is a valid THD layout whose samples are padded to the micro-batch's `multiple`:
+/// the joined offsets are taken as they are, so every sample must already have the padding
+/// the micro-batch promises.
+fn check_parts(parts: &[ThdView<'_>], opts: &BatchOptions, multiple: usize) -> CoreResult<()> {
     for (k, part) in parts.iter().enumerate() {
         check_thd(part, opts.pad_token_id, opts.ignore_index).map_err(|e| in_pack(k, e))?;
         let widths = part.cu_seqlens_padded.windows(2).map(|w| match w {
@@ -702,22 +750,24 @@ pub fn concat(parts: &[ThdView<'_>], opts: &BatchOptions) -> CoreResult<ThdLayou
             }
         }
     }
-    let mut extra = 0;
-    if let Some(target) = layout.pad_to_length {
-        if total > target {
-            return Err(option_error(
-                "pad_to_length",
-                format!("the packs hold {total} positions, more than pad_to_length={target}"),
-            ));
-        }
-        extra = target - total;
-    }
-    // `total + extra` is at most pad_to_length, itself at most THD_MAX.
-    let cells = total + extra;
-    let bytes = alloc::bytes_of::<u8>(cells).and_then(|b| b.checked_mul(BYTES_PER_POSITION));
-    let refused = || layout.alloc_error(cells, bytes, extra > 0);
-    alloc::probe(bytes, refused)?;
-    let mut fields = Fields::with_capacity(cells, refused)?;
+    Ok(())
+}
+
+/// The offsets of the packs appended by [`append_parts`], and what `concat` needs to pad
+/// the last sample further.
+struct Joined {
+    cu_seqlens: Vec<i32>,
+    cu_seqlens_padded: Vec<i32>,
+    /// The last padded offset (the positions appended).
+    end_padded: usize,
+    max_seqlen: usize,
+    /// The padded width of the last sample.
+    last_width: usize,
+}
+
+/// Appends every pack's fields to `fields` and joins their offsets, each pack's shifted by
+/// the positions before it.
+fn append_parts(fields: &mut Fields, parts: &[ThdView<'_>]) -> CoreResult<Joined> {
     let mut cu_seqlens = vec![0i32];
     let mut cu_seqlens_padded = vec![0i32];
     let (mut base, mut base_padded) = (0usize, 0usize);
@@ -752,23 +802,12 @@ pub fn concat(parts: &[ThdView<'_>], opts: &BatchOptions) -> CoreResult<ThdLayou
             _ => 0,
         };
     }
-    if extra > 0 {
-        fields.extend_last(last_width, extra, opts.pad_token_id, opts.ignore_index)?;
-        let end = base_padded + extra;
-        if let Some(last) = cu_seqlens_padded.last_mut() {
-            *last = as_i32(end)?;
-        }
-        max_seqlen = max_seqlen.max(last_width + extra);
-    }
-    Ok(ThdLayout {
-        input_ids: fields.input_ids,
-        labels: fields.labels,
-        loss_mask: fields.loss_mask,
-        token_mask: fields.token_mask,
-        position_ids: fields.position_ids,
+    Ok(Joined {
         cu_seqlens,
         cu_seqlens_padded,
+        end_padded: base_padded,
         max_seqlen,
+        last_width,
     })
 }
 

@@ -132,12 +132,53 @@ pub enum CoreError {
 
 impl fmt::Display for CoreError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Exhaustive on purpose: a new variant must be routed to its area's helper.
         match self {
-            // --- shared ---
             Self::IndexOverflow { what } => {
                 write!(f, "index arithmetic overflowed while computing {what}")
             }
-            // --- csr / intern ---
+            Self::OffsetsStart
+            | Self::OffsetsDecreasing { .. }
+            | Self::OffsetsEnd { .. }
+            | Self::SegmentIndexOutOfRange { .. }
+            | Self::ProvenanceLength { .. }
+            | Self::ProvenanceEntry { .. } => self.fmt_layout(f),
+            Self::RowOutOfRange { .. }
+            | Self::ShardCount { .. }
+            | Self::ShardsTooMany { .. }
+            | Self::ShardNotDivisible { .. }
+            | Self::Repeats { .. }
+            | Self::RepeatsTooLarge { .. }
+            | Self::ConcatIncompatible { .. }
+            | Self::FlattenedRows { .. } => self.fmt_row_op(f),
+            Self::ItemTooLarge { .. }
+            | Self::InvalidItem { .. }
+            | Self::PackingArgument { .. }
+            | Self::BinCount { .. } => self.fmt_packing(f),
+            Self::MaskLength { .. }
+            | Self::MaskValue { .. }
+            | Self::MaskNoTrainable { .. }
+            | Self::SpanMismatch { .. }
+            | Self::TurnMarkers { .. }
+            | Self::MissingField { .. }
+            | Self::EmptySample { .. }
+            | Self::EmptyBatch
+            | Self::InvalidToken { .. }
+            | Self::BatchOption { .. }
+            | Self::BatchLayout { .. } => self.fmt_batch(f),
+            Self::GatherIndex { .. }
+            | Self::GatherUneven { .. }
+            | Self::GatherSize { .. }
+            | Self::GatherRange { .. } => self.fmt_gather(f),
+        }
+    }
+}
+
+// One helper per area (the sections of the enum), so each message table stays short.
+impl CoreError {
+    /// csr / intern: the PackedTensor layout arrays (offsets, segment references, provenance).
+    fn fmt_layout(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
             Self::OffsetsStart => write!(f, "_row_offsets must start with 0"),
             Self::OffsetsDecreasing { at, prev, value } => write!(
                 f,
@@ -148,7 +189,11 @@ impl fmt::Display for CoreError {
                 "_row_offsets must end at the number of logical segment references \
                  (last offset {last}, {refs} references)"
             ),
-            Self::SegmentIndexOutOfRange { at, value, n_physical } => write!(
+            Self::SegmentIndexOutOfRange {
+                at,
+                value,
+                n_physical,
+            } => write!(
                 f,
                 "_segment_indices cannot reference an out-of-range physical segment \
                  (reference {at} is {value}, {n_physical} physical segments)"
@@ -163,7 +208,17 @@ impl fmt::Display for CoreError {
                 "_segment_provenance entry {at} has {len} bytes; provenance ids are 16 bytes \
                  (uuid.uuid4().bytes)"
             ),
-            Self::RowOutOfRange { row } => write!(f, "PackedTensor row index {row} is out of range"),
+            // `fmt` routes only this area's variants here.
+            other => write!(f, "{other:?}"),
+        }
+    }
+
+    /// csr: row operations (indexing, sharding, repeating, concatenating).
+    fn fmt_row_op(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::RowOutOfRange { row } => {
+                write!(f, "PackedTensor row index {row} is out of range")
+            }
             Self::ShardCount { shards } => {
                 write!(f, "num_shards must be a positive integer, got {shards}")
             }
@@ -179,7 +234,11 @@ impl fmt::Display for CoreError {
             Self::Repeats { repeats } => {
                 write!(f, "repeats must be a non-negative integer, got {repeats}")
             }
-            Self::RepeatsTooLarge { repeats, rows, refs } => write!(
+            Self::RepeatsTooLarge {
+                repeats,
+                rows,
+                refs,
+            } => write!(
                 f,
                 "repeats={repeats} is too large: {rows} rows and {refs} segment references \
                  repeated {repeats} times do not fit in int64 or cannot be allocated"
@@ -192,13 +251,30 @@ impl fmt::Display for CoreError {
                 "flattened_concat requires one logical row per input; merge_segments only \
                  collapses dedup-enabled values (from_packed_tensors[{at}] has {rows} rows)"
             ),
-            // --- packing ---
-            Self::ItemTooLarge { index, what, size, capacity } => write!(
+            // `fmt` routes only this area's variants here.
+            other => write!(f, "{other:?}"),
+        }
+    }
+
+    /// packing: items and arguments.
+    fn fmt_packing(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::ItemTooLarge {
+                index,
+                what,
+                size,
+                capacity,
+            } => write!(
                 f,
                 "item {index} has {what} {size}, which exceeds the bin {what} capacity {capacity} \
                  (on_oversize=\"skip\" leaves such items out and lists them in Packing.oversize)"
             ),
-            Self::InvalidItem { index, what, value, rule } => {
+            Self::InvalidItem {
+                index,
+                what,
+                value,
+                rule,
+            } => {
                 write!(f, "item {index} has {what} {value}; {rule}")
             }
             Self::PackingArgument { name, detail } => {
@@ -210,13 +286,28 @@ impl fmt::Display for CoreError {
                  at least one sequence. Either reduce min_bin_count/bin_count_multiple or provide \
                  more sequences."
             ),
-            // --- mask / batch ---
-            Self::MaskLength { sample, expected, actual } => write!(
+            // `fmt` routes only this area's variants here.
+            other => write!(f, "{other:?}"),
+        }
+    }
+
+    /// mask / batch: samples, masks and batch layouts.
+    fn fmt_batch(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::MaskLength {
+                sample,
+                expected,
+                actual,
+            } => write!(
                 f,
                 "loss mask of sample {sample} has {actual} values but the sample has {expected} \
                  tokens (rule: mask length equals token count)"
             ),
-            Self::MaskValue { sample, position, value } => write!(
+            Self::MaskValue {
+                sample,
+                position,
+                value,
+            } => write!(
                 f,
                 "loss mask of sample {sample} has value {value} at position {position} \
                  (rule: values are only 0 and 1)"
@@ -227,24 +318,48 @@ impl fmt::Display for CoreError {
                  (rule: at least one value is 1)"
             ),
             Self::SpanMismatch { sample, detail } => {
-                write!(f, "loss mask spans of sample {sample} are inconsistent: {detail}")
+                write!(
+                    f,
+                    "loss mask spans of sample {sample} are inconsistent: {detail}"
+                )
             }
             Self::TurnMarkers { sample, count } => write!(
                 f,
                 "sample {sample} has {count} turn markers; turns must come in user/assistant \
                  pairs (an odd count means the conversation ends on a user turn)"
             ),
-            Self::MissingField { sample, field, mode } => {
-                write!(f, "sample {sample} has no {field}, which loss_mask_mode={mode} needs")
+            Self::MissingField {
+                sample,
+                field,
+                mode,
+            } => {
+                write!(
+                    f,
+                    "sample {sample} has no {field}, which loss_mask_mode={mode} needs"
+                )
             }
             Self::EmptySample { sample } => write!(f, "sample {sample} has no tokens"),
             Self::EmptyBatch => write!(f, "a batch needs at least one sample, got none"),
-            Self::InvalidToken { sample, position, value } => {
-                write!(f, "sample {sample} has negative token id {value} at position {position}")
+            Self::InvalidToken {
+                sample,
+                position,
+                value,
+            } => {
+                write!(
+                    f,
+                    "sample {sample} has negative token id {value} at position {position}"
+                )
             }
             Self::BatchOption { name, detail } => write!(f, "invalid {name}: {detail}"),
             Self::BatchLayout { detail } => write!(f, "inconsistent batch: {detail}"),
-            // --- gather ---
+            // `fmt` routes only this area's variants here.
+            other => write!(f, "{other:?}"),
+        }
+    }
+
+    /// gather: orders, sources and buffers.
+    fn fmt_gather(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
             Self::GatherIndex { at, index, n_sources } => write!(
                 f,
                 "gather order[{at}] = {index} is out of range for {n_sources} source segments"
@@ -261,6 +376,8 @@ impl fmt::Display for CoreError {
                 f,
                 "gather range of segment {segment} (start {start}, {len} bytes) does not lie inside the {src_len}-byte source"
             ),
+            // `fmt` routes only this area's variants here.
+            other => write!(f, "{other:?}"),
         }
     }
 }

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from mmpack.compat.nemo_rl.deepcopy import deepcopy
-from mmpack.packed.pickle_operation import BUFFER_DTYPES
+from mmpack.packed.buffers import BUFFER_DTYPES
 
 __all__ = ["BATCHED_DATA_DICT_MODULE", "accelerated_methods"]
 

@@ -36,7 +36,7 @@ import torch
 
 from mmpack.errors import CorruptPickleError
 from mmpack.packed import ray_store
-from mmpack.packed.pickle_operation import BUFFER_DTYPES, bufferable
+from mmpack.packed.buffers import BUFFER_DTYPES, bufferable
 from mmpack.packed.transfer import byte_view
 
 __all__ = ["accelerated_tensor_reduce", "tensor_from_bytes"]

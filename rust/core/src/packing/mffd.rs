@@ -121,80 +121,197 @@ pub(crate) fn mffd(lens: &[i64], capacity: i64) -> Bins {
     let small: &[u32] = &asc[small_at..medium_at];
     let small_sizes: &[i64] = &asc_sizes[small_at..medium_at];
 
-    let nl = large.len();
-    let mut sums: Vec<i64> = large_sizes;
-    let mut has_medium = vec![false; nl];
-    // Placement log (bin, item); bins 0..nl are the phase-1 bins.
-    let mut log: Vec<(u32, u32)> = Vec::with_capacity(lens.len());
-    for (b, &i) in large.iter().enumerate() {
-        log.push((b as u32, i));
-    }
-    let mut dead = vec![false; lens.len()];
+    let mut bins = LargeBins::new(&large, large_sizes, lens.len(), capacity);
+    bins.place_mediums(&medium, &medium_sizes);
+    bins.place_small_pairs(small, small_sizes);
+    let (rest, rest_sizes) = bins.remaining(&asc[..large_at], &asc_sizes[..large_at]);
+    let rest_taken = bins.fill_from_rest(&rest, &rest_sizes);
+    bins.place_leftovers(&rest, &rest_sizes, &rest_taken)
+}
 
-    // Phase 2: forward, the first (largest) medium that fits, at most one per bin.
-    let mut med_alive = Alive::new(medium.len());
-    for b in 0..nl {
-        let rem = capacity - sums[b];
-        let p = medium_sizes.partition_point(|&x| x > rem);
-        let q = med_alive.find(p);
-        if let Some(&it) = medium.get(q) {
-            med_alive.kill_forward(q);
-            dead[it as usize] = true;
-            sums[b] += medium_sizes[q];
-            has_medium[b] = true;
-            log.push((b as u32, it));
-        }
-    }
+/// The phase-1 bins (one large item each) as phases 2-4 fill them, and the placement log
+/// (bin, item) that becomes the CSR output; bins `0..nl` are the phase-1 bins.
+struct LargeBins {
+    capacity: i64,
+    sums: Vec<i64>,
+    has_medium: Vec<bool>,
+    log: Vec<(u32, u32)>,
+    /// Items placed by phases 2 and 3 (phase 4 reads what is left).
+    dead: Vec<bool>,
+}
 
-    // Phase 3: backward, pairs of smalls into bins without a medium.
-    let mut s_fwd = Alive::new(small.len());
-    let mut s_back = AliveBack::new(small.len());
-    let mut small_left = small.len();
-    for b in (0..nl).rev() {
-        if has_medium[b] || small_left < 2 {
-            continue;
+impl LargeBins {
+    /// Phase 1: one bin per large item, largest first.
+    fn new(large: &[u32], large_sizes: Vec<i64>, n: usize, capacity: i64) -> Self {
+        let mut log: Vec<(u32, u32)> = Vec::with_capacity(n);
+        for (b, &i) in large.iter().enumerate() {
+            log.push((b as u32, i));
         }
-        let rem = capacity - sums[b];
-        let f = s_fwd.find(0);
-        let g = s_fwd.find(f + 1);
-        let (fi, fs) = (small[f], small_sizes[f]);
-        if fs + small_sizes[g] > rem {
-            continue;
+        Self {
+            capacity,
+            has_medium: vec![false; large.len()],
+            sums: large_sizes,
+            log,
+            dead: vec![false; n],
         }
-        s_fwd.kill_forward(f);
-        s_back.kill(f);
-        let r2 = rem - fs;
-        // Largest alive position whose size fits r2 (exists: g fits).
-        let p = small_sizes.partition_point(|&x| x <= r2);
-        let Some(j) = p.checked_sub(1).and_then(|p| s_back.find(p)) else {
-            continue;
-        };
-        s_fwd.kill_forward(j);
-        s_back.kill(j);
-        let ji = small[j];
-        small_left -= 2;
-        dead[fi as usize] = true;
-        dead[ji as usize] = true;
-        sums[b] += fs + small_sizes[j];
-        log.push((b as u32, fi));
-        log.push((b as u32, ji));
     }
 
-    // Phase 4: remaining medium + small + tiny, by size descending (ties: input order);
-    // each phase-1 bin repeatedly takes the first (largest) item that fits.
-    let (all_rest, all_rest_sizes) = descending_stable(&asc[..large_at], &asc_sizes[..large_at]);
-    let mut rest: Vec<u32> = Vec::with_capacity(all_rest.len());
-    let mut rest_sizes: Vec<i64> = Vec::with_capacity(all_rest.len());
-    for (&i, &sz) in all_rest.iter().zip(&all_rest_sizes) {
-        if !dead[i as usize] {
-            rest.push(i);
-            rest_sizes.push(sz);
+    /// Phase 2: forward, the first (largest) medium that fits, at most one per bin.
+    fn place_mediums(&mut self, medium: &[u32], medium_sizes: &[i64]) {
+        let mut med_alive = Alive::new(medium.len());
+        for b in 0..self.sums.len() {
+            let rem = self.capacity - self.sums[b];
+            let p = medium_sizes.partition_point(|&x| x > rem);
+            let q = med_alive.find(p);
+            if let Some(&it) = medium.get(q) {
+                med_alive.kill_forward(q);
+                self.dead[it as usize] = true;
+                self.sums[b] += medium_sizes[q];
+                self.has_medium[b] = true;
+                self.log.push((b as u32, it));
+            }
         }
     }
-    drop((all_rest, all_rest_sizes));
-    let mut rest_taken = vec![false; rest.len()];
-    // first_le[v]: first position in `rest` whose size is <= v (sizes descending).
-    let first_le: Option<Vec<u32>> = capacity_indexable(capacity, lens.len()).then(|| {
+
+    /// Phase 3: backward, pairs of smalls into bins without a medium.
+    fn place_small_pairs(&mut self, small: &[u32], small_sizes: &[i64]) {
+        let mut s_fwd = Alive::new(small.len());
+        let mut s_back = AliveBack::new(small.len());
+        let mut small_left = small.len();
+        for b in (0..self.sums.len()).rev() {
+            if self.has_medium[b] || small_left < 2 {
+                continue;
+            }
+            let rem = self.capacity - self.sums[b];
+            let f = s_fwd.find(0);
+            let g = s_fwd.find(f + 1);
+            let (fi, fs) = (small[f], small_sizes[f]);
+            if fs + small_sizes[g] > rem {
+                continue;
+            }
+            s_fwd.kill_forward(f);
+            s_back.kill(f);
+            let r2 = rem - fs;
+            // Largest alive position whose size fits r2 (exists: g fits).
+            let p = small_sizes.partition_point(|&x| x <= r2);
+            let Some(j) = p.checked_sub(1).and_then(|p| s_back.find(p)) else {
+                continue;
+            };
+            s_fwd.kill_forward(j);
+            s_back.kill(j);
+            let ji = small[j];
+            small_left -= 2;
+            self.dead[fi as usize] = true;
+            self.dead[ji as usize] = true;
+            self.sums[b] += fs + small_sizes[j];
+            self.log.push((b as u32, fi));
+            self.log.push((b as u32, ji));
+        }
+    }
+
+    /// The remaining medium + small + tiny items (the ascending run `asc` below the large
+    /// class), by size descending (ties: input order), sizes alongside.
+    fn remaining(&self, asc: &[u32], asc_sizes: &[i64]) -> (Vec<u32>, Vec<i64>) {
+        let (all_rest, all_rest_sizes) = descending_stable(asc, asc_sizes);
+        let mut rest: Vec<u32> = Vec::with_capacity(all_rest.len());
+        let mut rest_sizes: Vec<i64> = Vec::with_capacity(all_rest.len());
+        for (&i, &sz) in all_rest.iter().zip(&all_rest_sizes) {
+            if !self.dead[i as usize] {
+                rest.push(i);
+                rest_sizes.push(sz);
+            }
+        }
+        (rest, rest_sizes)
+    }
+
+    /// Phase 4: each phase-1 bin repeatedly takes the first (largest) remaining item that
+    /// fits. Returns which positions of `rest` were taken.
+    fn fill_from_rest(&mut self, rest: &[u32], rest_sizes: &[i64]) -> Vec<bool> {
+        let capacity = self.capacity;
+        let mut rest_taken = vec![false; rest.len()];
+        let first_le = first_le_table(rest_sizes, capacity, self.dead.len());
+        let mut r_alive = Alive::new(rest.len());
+        for (b, sum) in self.sums.iter_mut().enumerate() {
+            loop {
+                let rem = capacity - *sum;
+                let p = match &first_le {
+                    Some(t) => t[rem as usize] as usize,
+                    None => rest_sizes.partition_point(|&x| x > rem),
+                };
+                let q = r_alive.find(p);
+                let Some(&it) = rest.get(q) else {
+                    break;
+                };
+                r_alive.kill_forward(q);
+                rest_taken[q] = true;
+                *sum += rest_sizes[q];
+                self.log.push((b as u32, it));
+            }
+        }
+        rest_taken
+    }
+
+    /// Phase 5: leftovers (same order) into the least-filled bin if it fits, else a new bin;
+    /// bins kept sorted by (fill, insertion order), starting from one empty bin. Then the
+    /// output: phase-1 bins, then phase-5 bins by (fill, insertion), empty ones dropped.
+    fn place_leftovers(self, rest: &[u32], rest_sizes: &[i64], rest_taken: &[bool]) -> Bins {
+        let Self {
+            capacity,
+            sums,
+            mut log,
+            dead,
+            ..
+        } = self;
+        let nl = sums.len();
+        let mut queue = FillQueue::new(capacity, dead.len(), nl as u32);
+        let mut next_bin = nl as u32;
+        queue.push(0, next_bin);
+        next_bin += 1;
+        let mut used: Vec<bool> = vec![false];
+        for ((&it, &s), &taken) in rest.iter().zip(rest_sizes).zip(rest_taken) {
+            if taken {
+                continue;
+            }
+            let (fill, bin) = match queue.peek() {
+                Some((fill, bin)) if s <= capacity - fill => {
+                    queue.pop();
+                    (fill, bin)
+                }
+                _ => {
+                    let bin = next_bin;
+                    next_bin += 1;
+                    used.push(false);
+                    (0, bin)
+                }
+            };
+            used[(bin as usize) - nl] = true;
+            queue.push(fill + s, bin);
+            log.push((bin, it));
+        }
+        let total = next_bin as usize;
+        let mut rank = vec![0u32; total];
+        for (b, r) in rank.iter_mut().enumerate().take(nl) {
+            *r = b as u32;
+        }
+        let mut k = nl as u32;
+        let mut loads = sums;
+        for (bin, fill) in queue.into_sorted() {
+            if used[(bin as usize) - nl] {
+                rank[bin as usize] = k;
+                k += 1;
+                loads.push(fill);
+            }
+        }
+        let mut bins = Bins::from_log(k as usize, &log, Some(&rank));
+        bins.loads = Some(loads);
+        bins
+    }
+}
+
+/// `first_le[v]`: the first position in `rest_sizes` (descending) whose size is `<= v`, when
+/// the capacity is small enough to index by (phase 4 then skips the binary search).
+fn first_le_table(rest_sizes: &[i64], capacity: i64, n: usize) -> Option<Vec<u32>> {
+    capacity_indexable(capacity, n).then(|| {
         let mut table = Vec::with_capacity(capacity as usize + 1);
         let mut p = rest_sizes.len();
         for v in 0..=capacity {
@@ -204,71 +321,7 @@ pub(crate) fn mffd(lens: &[i64], capacity: i64) -> Bins {
             table.push(p as u32);
         }
         table
-    });
-    let mut r_alive = Alive::new(rest.len());
-    for (b, sum) in sums.iter_mut().enumerate() {
-        loop {
-            let rem = capacity - *sum;
-            let p = match &first_le {
-                Some(t) => t[rem as usize] as usize,
-                None => rest_sizes.partition_point(|&x| x > rem),
-            };
-            let q = r_alive.find(p);
-            let Some(&it) = rest.get(q) else {
-                break;
-            };
-            r_alive.kill_forward(q);
-            rest_taken[q] = true;
-            *sum += rest_sizes[q];
-            log.push((b as u32, it));
-        }
-    }
-
-    // Phase 5: leftovers (same order) into the least-filled bin if it fits, else a new bin;
-    // bins kept sorted by (fill, insertion order), starting from one empty bin.
-    let mut queue = FillQueue::new(capacity, lens.len(), nl as u32);
-    let mut next_bin = nl as u32;
-    queue.push(0, next_bin);
-    next_bin += 1;
-    let mut used: Vec<bool> = vec![false];
-    for ((&it, &s), &taken) in rest.iter().zip(&rest_sizes).zip(&rest_taken) {
-        if taken {
-            continue;
-        }
-        let (fill, bin) = match queue.peek() {
-            Some((fill, bin)) if s <= capacity - fill => {
-                queue.pop();
-                (fill, bin)
-            }
-            _ => {
-                let bin = next_bin;
-                next_bin += 1;
-                used.push(false);
-                (0, bin)
-            }
-        };
-        used[(bin as usize) - nl] = true;
-        queue.push(fill + s, bin);
-        log.push((bin, it));
-    }
-    // Output order: phase-1 bins, then phase-5 bins by (fill, insertion), empty ones dropped.
-    let total = next_bin as usize;
-    let mut rank = vec![0u32; total];
-    for (b, r) in rank.iter_mut().enumerate().take(nl) {
-        *r = b as u32;
-    }
-    let mut k = nl as u32;
-    let mut loads = sums;
-    for (bin, fill) in queue.into_sorted() {
-        if used[(bin as usize) - nl] {
-            rank[bin as usize] = k;
-            k += 1;
-            loads.push(fill);
-        }
-    }
-    let mut bins = Bins::from_log(k as usize, &log, Some(&rank));
-    bins.loads = Some(loads);
-    bins
+    })
 }
 
 const NONE: u32 = u32::MAX;

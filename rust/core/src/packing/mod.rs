@@ -249,6 +249,41 @@ pub(crate) fn capacity_indexable(capacity: i64, n: usize) -> bool {
 pub fn pack(lengths: &[i64], media: Option<&[i64]>, opts: &PackOptions<'_>) -> CoreResult<Packing> {
     let n = lengths.len();
     let capacity = opts.capacity;
+    check_sizes(n, opts)?;
+    let media_capacity = media_budget(n, media, opts.media_capacity)?;
+    check_algorithm(n, media, opts)?;
+    let oversize = scan_items(lengths, media, media_capacity, opts)?;
+
+    // Dense sub-problem: drop skipped items, clip truncated ones.
+    let sub = SubProblem::new(lengths, media, &oversize, opts);
+    let lens: &[i64] = if oversize.is_empty() {
+        lengths
+    } else {
+        &sub.lens
+    };
+    let med: Option<&[i64]> = match (&sub.media, &sub.map) {
+        (Some(sm), _) => Some(sm),
+        (None, Some(_)) => None,
+        (None, None) => media,
+    };
+    let sub_order = shuffle_order(opts, sub.map.as_deref(), n);
+
+    let problem = Problem {
+        lens,
+        media: med,
+        capacity,
+        media_capacity,
+        max_items: opts.max_items_per_bin.unwrap_or(usize::MAX),
+    };
+    let bins = run_algorithm(&problem, sub_order, opts);
+    let bins = adjust::adjust_bins(bins, opts.min_bins, opts.bins_multiple_of)?;
+    finish(bins, lens, med, sub.map.as_deref(), oversize)
+}
+
+/// The scalar options every algorithm needs: a positive capacity, an item count that fits the
+/// `u32` item ids, and positive `max_items_per_bin` / `bins_multiple_of`.
+fn check_sizes(n: usize, opts: &PackOptions<'_>) -> CoreResult<()> {
+    let capacity = opts.capacity;
     if capacity < 1 {
         return Err(arg_err(
             "capacity",
@@ -273,7 +308,13 @@ pub fn pack(lengths: &[i64], media: Option<&[i64]>, opts: &PackOptions<'_>) -> C
             "must be a positive integer, got 0".into(),
         ));
     }
-    let media_capacity = match (media, opts.media_capacity) {
+    Ok(())
+}
+
+/// The media budget: `media` and `media_capacity` come together (one count per item, a
+/// non-negative budget) or not at all (budget 0, never read).
+fn media_budget(n: usize, media: Option<&[i64]>, media_capacity: Option<i64>) -> CoreResult<i64> {
+    match (media, media_capacity) {
         (Some(m), Some(mc)) => {
             if m.len() != n {
                 return Err(arg_err(
@@ -287,22 +328,22 @@ pub fn pack(lengths: &[i64], media: Option<&[i64]>, opts: &PackOptions<'_>) -> C
             if mc < 0 {
                 return Err(arg_err("media_capacity", format!("must be >= 0, got {mc}")));
             }
-            mc
+            Ok(mc)
         }
-        (Some(_), None) => {
-            return Err(arg_err(
-                "media_capacity",
-                "is required when media is given".into(),
-            ))
-        }
-        (None, Some(_)) => {
-            return Err(arg_err(
-                "media",
-                "is required when media_capacity is given".into(),
-            ))
-        }
-        (None, None) => 0,
-    };
+        (Some(_), None) => Err(arg_err(
+            "media_capacity",
+            "is required when media is given".into(),
+        )),
+        (None, Some(_)) => Err(arg_err(
+            "media",
+            "is required when media_capacity is given".into(),
+        )),
+        (None, None) => Ok(0),
+    }
+}
+
+/// Options the chosen algorithm cannot honour are refused rather than ignored.
+fn check_algorithm(n: usize, media: Option<&[i64]>, opts: &PackOptions<'_>) -> CoreResult<()> {
     let alg = opts.algorithm;
     if media.is_some() && !alg.supports_media() {
         return Err(arg_err(
@@ -328,8 +369,18 @@ pub fn pack(lengths: &[i64], media: Option<&[i64]>, opts: &PackOptions<'_>) -> C
     if alg == Algorithm::FirstFitShuffle {
         check_permutation(opts.order, n)?;
     }
+    Ok(())
+}
 
-    // Validate every item (first problem in input order wins) and note oversize ones.
+/// Validates every item (the first problem in input order wins) and returns the oversize
+/// ones, in input order.
+fn scan_items(
+    lengths: &[i64],
+    media: Option<&[i64]>,
+    media_capacity: i64,
+    opts: &PackOptions<'_>,
+) -> CoreResult<Vec<i64>> {
+    let capacity = opts.capacity;
     let min_len = i64::from(!opts.allow_zero);
     let mut oversize: Vec<i64> = Vec::new();
     for (i, &l) in lengths.iter().enumerate() {
@@ -375,39 +426,59 @@ pub fn pack(lengths: &[i64], media: Option<&[i64]>, opts: &PackOptions<'_>) -> C
             oversize.push(i as i64);
         }
     }
+    Ok(oversize)
+}
 
-    // Dense sub-problem: drop skipped items, clip truncated ones.
-    let (sub_lens, sub_media, map): (Vec<i64>, Option<Vec<i64>>, Option<Vec<u32>>) =
+/// The owned arrays of the dense sub-problem when some items are oversize: clipped lengths
+/// (truncate), or the kept items' lengths and media with `map` from position to input index
+/// (skip). All empty / `None` when nothing is oversize (the input is used as is).
+struct SubProblem {
+    lens: Vec<i64>,
+    media: Option<Vec<i64>>,
+    map: Option<Vec<u32>>,
+}
+
+impl SubProblem {
+    fn new(
+        lengths: &[i64],
+        media: Option<&[i64]>,
+        oversize: &[i64],
+        opts: &PackOptions<'_>,
+    ) -> Self {
+        let n = lengths.len();
         if oversize.is_empty() {
-            (Vec::new(), None, None)
-        } else if opts.on_oversize == OnOversize::Truncate {
-            (
-                lengths.iter().map(|&l| l.min(capacity)).collect(),
-                None,
-                None,
-            )
-        } else {
-            let mut keep = vec![true; n];
-            for &i in &oversize {
-                keep[i as usize] = false;
-            }
-            let map: Vec<u32> = (0..n as u32).filter(|&i| keep[i as usize]).collect();
-            let sl = map.iter().map(|&i| lengths[i as usize]).collect();
-            let sm = media.map(|m| map.iter().map(|&i| m[i as usize]).collect());
-            (sl, sm, Some(map))
-        };
-    let lens: &[i64] = if oversize.is_empty() {
-        lengths
-    } else {
-        &sub_lens
-    };
-    let med: Option<&[i64]> = match (&sub_media, &map) {
-        (Some(sm), _) => Some(sm),
-        (None, Some(_)) => None,
-        (None, None) => media,
-    };
-    // Shuffle order restricted to the kept items.
-    let sub_order: Option<Vec<u32>> = match (alg, opts.order, &map) {
+            return Self {
+                lens: Vec::new(),
+                media: None,
+                map: None,
+            };
+        }
+        if opts.on_oversize == OnOversize::Truncate {
+            return Self {
+                lens: lengths.iter().map(|&l| l.min(opts.capacity)).collect(),
+                media: None,
+                map: None,
+            };
+        }
+        let mut keep = vec![true; n];
+        for &i in oversize {
+            keep[i as usize] = false;
+        }
+        let map: Vec<u32> = (0..n as u32).filter(|&i| keep[i as usize]).collect();
+        let lens = map.iter().map(|&i| lengths[i as usize]).collect();
+        let media = media.map(|m| map.iter().map(|&i| m[i as usize]).collect());
+        Self {
+            lens,
+            media,
+            map: Some(map),
+        }
+    }
+}
+
+/// For `FirstFitShuffle`: the caller's order restricted to the kept items, as positions in
+/// the dense sub-problem (`map` sends a position to its input index).
+fn shuffle_order(opts: &PackOptions<'_>, map: Option<&[u32]>, n: usize) -> Option<Vec<u32>> {
+    match (opts.algorithm, opts.order, map) {
         (Algorithm::FirstFitShuffle, Some(order), Some(map)) => {
             let mut pos = vec![u32::MAX; n];
             for (k, &i) in map.iter().enumerate() {
@@ -425,52 +496,55 @@ pub fn pack(lengths: &[i64], media: Option<&[i64]>, opts: &PackOptions<'_>) -> C
             Some(order.iter().map(|&i| i as u32).collect())
         }
         _ => None,
-    };
+    }
+}
 
-    let problem = Problem {
-        lens,
-        media: med,
-        capacity,
-        media_capacity,
-        max_items: opts.max_items_per_bin.unwrap_or(usize::MAX),
-    };
-    let bins = match alg {
-        Algorithm::Concatenative => firstfit::concatenative(&problem),
+/// Runs the chosen algorithm on the dense sub-problem.
+fn run_algorithm(
+    problem: &Problem<'_>,
+    sub_order: Option<Vec<u32>>,
+    opts: &PackOptions<'_>,
+) -> Bins {
+    let (lens, capacity) = (problem.lens, problem.capacity);
+    match opts.algorithm {
+        Algorithm::Concatenative => firstfit::concatenative(problem),
         Algorithm::FirstFitDecreasing => {
             let order = firstfit::decreasing_order(lens, capacity, true);
-            firstfit::first_fit(&problem, &order)
+            firstfit::first_fit(problem, &order)
         }
         Algorithm::FirstFitShuffle => {
             let order = sub_order.unwrap_or_default();
-            firstfit::first_fit(&problem, &order)
+            firstfit::first_fit(problem, &order)
         }
         Algorithm::ModifiedFirstFitDecreasing => mffd::mffd(lens, capacity),
-        Algorithm::BestFitDecreasing => bestfit::best_fit_decreasing(&problem),
-        Algorithm::MinimumBinSlack => {
-            // Candidates: best fit, the full search, and the search's near-perfect prefix
-            // followed by best fit on the rest; the fewest bins wins (ties: earlier).
-            let mut best = bestfit::best_fit_decreasing(&problem);
-            let (full, slacks) = mbs::minimum_bin_slack(&problem, opts.search_budget);
-            for tolerance in [0, capacity / 512, capacity / 128, capacity / 32] {
-                let cand = mbs::with_tail(
-                    &problem,
-                    &full,
-                    &slacks,
-                    tolerance,
-                    bestfit::best_fit_decreasing,
-                );
-                if let Some(c) = cand.filter(|c| c.num_bins() < best.num_bins()) {
-                    best = c;
-                }
-            }
-            if full.num_bins() < best.num_bins() {
-                best = full;
-            }
-            best
+        Algorithm::BestFitDecreasing => bestfit::best_fit_decreasing(problem),
+        Algorithm::MinimumBinSlack => minimum_bin_slack(problem, opts.search_budget),
+    }
+}
+
+/// Minimum bin slack, never worse than best fit. Candidates: best fit, the full search, and
+/// the search's near-perfect prefix followed by best fit on the rest; the fewest bins wins
+/// (ties: earlier).
+fn minimum_bin_slack(problem: &Problem<'_>, search_budget: usize) -> Bins {
+    let capacity = problem.capacity;
+    let mut best = bestfit::best_fit_decreasing(problem);
+    let (full, slacks) = mbs::minimum_bin_slack(problem, search_budget);
+    for tolerance in [0, capacity / 512, capacity / 128, capacity / 32] {
+        let cand = mbs::with_tail(
+            problem,
+            &full,
+            &slacks,
+            tolerance,
+            bestfit::best_fit_decreasing,
+        );
+        if let Some(c) = cand.filter(|c| c.num_bins() < best.num_bins()) {
+            best = c;
         }
-    };
-    let bins = adjust::adjust_bins(bins, opts.min_bins, opts.bins_multiple_of)?;
-    finish(bins, lens, med, map.as_deref(), oversize)
+    }
+    if full.num_bins() < best.num_bins() {
+        best = full;
+    }
+    best
 }
 
 fn check_permutation(order: Option<&[i64]>, n: usize) -> CoreResult<()> {

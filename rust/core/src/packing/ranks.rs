@@ -55,11 +55,45 @@ pub fn assign_to_ranks(
     num_ranks: usize,
     cost: RankCost,
 ) -> CoreResult<RankAssignment> {
-    let arg = |name: &'static str, detail: String| CoreError::PackingArgument { name, detail };
     if num_ranks == 0 {
         return Err(arg("num_ranks", "must be a positive integer, got 0".into()));
     }
-    let overflow = || CoreError::IndexOverflow { what: "bin costs" };
+    let bin_costs = bin_costs(bin_offsets, item_indices, lengths, cost)?;
+    let nb = bin_costs.len();
+    let (mut rank_offsets, mut rank_costs) = rank_arrays(num_ranks)?;
+    let per_rank = distribute(&bin_costs, num_ranks, &mut rank_costs)?;
+    let mut bin_indices = Vec::with_capacity(nb);
+    rank_offsets.push(0);
+    for bins in per_rank {
+        bin_indices.extend(bins);
+        rank_offsets.push(bin_indices.len() as i64);
+    }
+    rank_offsets.resize(num_ranks + 1, nb as i64);
+    rank_costs.resize(num_ranks, 0);
+    Ok(RankAssignment {
+        rank_offsets,
+        bin_indices,
+        rank_costs,
+        bin_costs,
+    })
+}
+
+fn arg(name: &'static str, detail: String) -> CoreError {
+    CoreError::PackingArgument { name, detail }
+}
+
+fn cost_overflow() -> CoreError {
+    CoreError::IndexOverflow { what: "bin costs" }
+}
+
+/// The cost of every bin, checking the CSR ranges and item indices on the way (they come
+/// from the caller, not from `pack`).
+fn bin_costs(
+    bin_offsets: &[i64],
+    item_indices: &[i64],
+    lengths: &[i64],
+    cost: RankCost,
+) -> CoreResult<Vec<i64>> {
     let nb = bin_offsets.len().saturating_sub(1);
     let mut bin_costs = Vec::with_capacity(nb);
     for w in bin_offsets.windows(2) {
@@ -78,18 +112,19 @@ pub fn assign_to_ranks(
                 .ok_or_else(|| arg("item_indices", format!("item {it} is out of range")))?;
             let c = match cost {
                 RankCost::Tokens => l,
-                RankCost::TokensSquared => l.checked_mul(l).ok_or_else(overflow)?,
+                RankCost::TokensSquared => l.checked_mul(l).ok_or_else(cost_overflow)?,
             };
-            total = total.checked_add(c).ok_or_else(overflow)?;
+            total = total.checked_add(c).ok_or_else(cost_overflow)?;
         }
         bin_costs.push(total);
     }
-    let mut order: Vec<usize> = (0..nb).collect();
-    order.sort_by_key(|&b| (Reverse(bin_costs[b]), b));
-    // The per-rank outputs are O(num_ranks), and more ranks than bins is legal (the extra
-    // ranks stay empty): allocate them fallibly, so an absurd count is a typed error, not an
-    // abort. Only the first `busy` ranks can get a bin (with at most one bin per rank, ties on
-    // load go to the lowest rank), so only they enter the heap.
+    Ok(bin_costs)
+}
+
+/// Empty `rank_offsets` and `rank_costs` with room for `num_ranks` ranks. The per-rank
+/// outputs are O(num_ranks), and more ranks than bins is legal (the extra ranks stay empty):
+/// allocate them fallibly, so an absurd count is a typed error, not an abort.
+fn rank_arrays(num_ranks: usize) -> CoreResult<(Vec<i64>, Vec<i64>)> {
     let too_many = || {
         arg(
             "num_ranks",
@@ -104,9 +139,24 @@ pub fn assign_to_ranks(
             .and_then(alloc::bytes_of::<i64>),
         too_many,
     )?;
-    let mut rank_offsets: Vec<i64> =
+    let rank_offsets: Vec<i64> =
         alloc::vec_with_capacity(num_ranks.checked_add(1).ok_or_else(too_many)?, too_many)?;
-    let mut rank_costs: Vec<i64> = alloc::vec_with_capacity(num_ranks, too_many)?;
+    let rank_costs: Vec<i64> = alloc::vec_with_capacity(num_ranks, too_many)?;
+    Ok((rank_offsets, rank_costs))
+}
+
+/// Longest-processing-time first: bins by cost descending (ties: index), each to the
+/// least-loaded rank with room. Returns the bins of the first `busy = min(ranks, bins)` ranks
+/// and leaves their loads in `rank_costs[..busy]`. Only those ranks can get a bin (with at
+/// most one bin per rank, ties on load go to the lowest rank), so only they enter the heap.
+fn distribute(
+    bin_costs: &[i64],
+    num_ranks: usize,
+    rank_costs: &mut Vec<i64>,
+) -> CoreResult<Vec<Vec<i64>>> {
+    let nb = bin_costs.len();
+    let mut order: Vec<usize> = (0..nb).collect();
+    order.sort_by_key(|&b| (Reverse(bin_costs[b]), b));
     let busy = num_ranks.min(nb);
     let cap = nb.div_ceil(num_ranks).max(1);
     let mut heap: BinaryHeap<Reverse<(i64, usize)>> = (0..busy).map(|r| Reverse((0, r))).collect();
@@ -127,7 +177,7 @@ pub fn assign_to_ranks(
         let Some(Reverse((load, r))) = next else {
             break;
         };
-        let load = load.checked_add(bin_costs[b]).ok_or_else(overflow)?;
+        let load = load.checked_add(bin_costs[b]).ok_or_else(cost_overflow)?;
         per_rank[r].push(b as i64);
         rank_costs[r] = load;
         if extra > 0 && per_rank[r].len() == cap {
@@ -137,20 +187,7 @@ pub fn assign_to_ranks(
             heap.push(Reverse((load, r)));
         }
     }
-    let mut bin_indices = Vec::with_capacity(nb);
-    rank_offsets.push(0);
-    for bins in per_rank {
-        bin_indices.extend(bins);
-        rank_offsets.push(bin_indices.len() as i64);
-    }
-    rank_offsets.resize(num_ranks + 1, nb as i64);
-    rank_costs.resize(num_ranks, 0);
-    Ok(RankAssignment {
-        rank_offsets,
-        bin_indices,
-        rank_costs,
-        bin_costs,
-    })
+    Ok(per_rank)
 }
 
 #[cfg(test)]

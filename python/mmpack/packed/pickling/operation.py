@@ -1,18 +1,18 @@
 """Which tensors one pickling operation already wrote, and how a value's segments are written.
 
-The values of one pickle share the tensors they have in common: the first value that writes a
-plain CPU tensor puts it in a group (pickled as a private ``PackedTensor``, see
-``mmpack.packed.pickle_format``), later values reference that group, which the pickler's memo writes
-once. Nothing of this outlives or crosses operations: what a payload holds depends only on the
-values given to its pickler. No pickler hook tells ``__reduce_ex__`` which pickler calls it, so
+The values of one pickle share the tensors they have in common: the first value that writes a plain
+CPU tensor puts it in a group (pickled as a private ``PackedTensor``, see
+``mmpack.packed.pickling.format``), later values reference that group, which the pickler's memo
+writes once. Nothing of this outlives or crosses operations: what a payload holds depends only on
+the values given to its pickler. No pickler hook tells ``__reduce_ex__`` which pickler calls it, so
 three facts stand in for it:
 
 * an operation never spans threads: each thread has its own current operation;
 * a pickler writes the ``mmpack.packed.PackedTensor`` global once, for its first value, right
-  after that value's ``__reduce_ex__``; the package ``mmpack.packed`` serves that name from its
-  module ``__getattr__`` (PEP 562) and reports the lookup to
-  :meth:`ThreadState.pickler_started`, and that value starts a new operation (its segments are
-  planned again on their own if they referenced another operation's groups);
+  after that value's ``__reduce_ex__``: ``mmpack.packed.pickling.operation_start`` turns that
+  lookup into a call of :meth:`ThreadState.pickler_started`, and that value starts a new
+  operation (its segments are planned again on their own if they referenced another
+  operation's groups);
 * a group's ``__reduce_ex__`` runs only when the running pickler has not written it yet: it
   writes the members that the value being written needs and an empty placeholder for any
   other, so a group never carries tensors into a payload they do not belong to. A group
@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import copyreg
 import itertools
-import operator
-import pickle
 import threading
 import weakref
 from collections.abc import Callable
@@ -35,14 +33,14 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-from torch._utils import _flatten_dense_tensors
+
+from mmpack.packed.buffers import bufferable, i64_bytes, one_dtype_if_bufferable
+from mmpack.packed.pickling.group_codec import encode_group, encode_one_dtype
 
 if TYPE_CHECKING:
     from mmpack.packed.value import PackedTensor
 
 __all__ = [
-    "BUFFER_DTYPES",
-    "GROUP_FORMAT",
     "SEGMENTS_FORMAT",
     "STATE_KEY",
     "THREADS",
@@ -54,78 +52,6 @@ __all__ = [
 #: The key that marks an mmpack state (a value's or a group's).
 STATE_KEY = "__mmpack_packed_tensor__"
 SEGMENTS_FORMAT = "mmpack.segments/2"
-GROUP_FORMAT = "mmpack.group/1"
-#: The dtypes whose bytes a group writes as they are, and their names in the format.
-BUFFER_DTYPES = {
-    d: str(d).removeprefix("torch.")
-    for d in (
-        torch.float64,
-        torch.float32,
-        torch.float16,
-        torch.bfloat16,
-        torch.int64,
-        torch.int32,
-        torch.int16,
-        torch.int8,
-        torch.uint8,
-        torch.bool,
-        torch.complex64,
-        torch.complex128,
-    )
-}
-_STRIDED = torch.strided
-_TENSOR = torch.Tensor
-
-
-_COMPLEX = frozenset((torch.complex64, torch.complex128))
-
-
-def bufferable(t: Any) -> bool:
-    """A plain CPU tensor whose bytes can be written as they are (no autograd, subclass,
-    sparse/nested layout or lazy conjugate/negative bit)."""
-    if type(t) is not _TENSOR:
-        return False
-    dtype = t.dtype
-    return (
-        dtype in BUFFER_DTYPES
-        and t.is_cpu
-        and not t.requires_grad
-        and t.layout is _STRIDED
-        and not t.is_nested
-        and not t.is_neg()
-        # torch sets the conjugate bit on complex tensors only
-        and (dtype not in _COMPLEX or not t.is_conj())
-    )
-
-
-_FLAGS = operator.attrgetter("dtype", "is_cpu", "requires_grad", "layout", "is_nested")
-_IS_NEG = torch.Tensor.is_neg
-_IS_CONJ = torch.Tensor.is_conj
-_SHAPE = operator.attrgetter("shape")
-_DTYPE = operator.attrgetter("dtype")
-
-
-def one_dtype_if_bufferable(tensors: list[Any]) -> torch.dtype | None:
-    """The one dtype of ``tensors`` if every one is ``bufferable`` and all share it, else
-    ``None``: the same checks, made with C-level passes over the list (values often hold tens
-    of thousands of segments)."""
-    if not tensors or set(map(type, tensors)) != {_TENSOR}:
-        return None
-    flags = set(map(_FLAGS, tensors))
-    if len(flags) != 1:
-        return None
-    ((dtype, is_cpu, requires_grad, layout, is_nested),) = flags
-    if (
-        dtype not in BUFFER_DTYPES
-        or not is_cpu
-        or requires_grad
-        or layout is not _STRIDED
-        or is_nested
-        or any(map(_IS_NEG, tensors))
-        or (dtype in _COMPLEX and any(map(_IS_CONJ, tensors)))
-    ):
-        return None
-    return dtype
 
 
 class PickleOp:
@@ -208,7 +134,7 @@ class Group:
             self.members = None
         proto = protocol if isinstance(protocol, int) else 2
         if self.dtype is not None and len(members) == n and needed is None:
-            payload = _encode_one_dtype(members, self.dtype, proto)  # type: ignore[arg-type]
+            payload = encode_one_dtype(members, self.dtype, proto)  # type: ignore[arg-type]
         else:
             payload = encode_group(members, proto)
         state = {STATE_KEY: 1, "group": payload}
@@ -410,71 +336,3 @@ class ThreadState(threading.local):
 
 
 THREADS = ThreadState()
-
-
-def i64_bytes(values: Any) -> bytes:
-    return np.asarray(values, dtype="<i8").tobytes()
-
-
-def encode_group(members: list[torch.Tensor | None], protocol: int) -> Any:
-    """The group state of ``members``; a ``None`` member is written as an empty 1-d tensor (a
-    placeholder that no value of the payload references)."""
-    n = len(members)
-    if n and type(None) not in map(type, members):
-        kinds = set(map(_DTYPE, members))
-        if len(kinds) == 1:
-            return _encode_one_dtype(members, kinds.pop(), protocol)  # type: ignore[arg-type]
-    dtypes = [0] * n
-    ranks = [0] * n
-    dims: list[int] = []
-    by_dtype: dict[torch.dtype, int] = {}
-    parts: list[list[torch.Tensor]] = []
-    placeholder = None
-    for j, t in enumerate(members):
-        if t is None:
-            if placeholder is None:
-                dtype = next((m.dtype for m in members if m is not None), torch.uint8)
-                placeholder = torch.empty(0, dtype=dtype)
-            t = placeholder
-        dtype = t.dtype
-        g = by_dtype.get(dtype)
-        if g is None:
-            g = by_dtype[dtype] = len(parts)
-            parts.append([])
-        parts[g].append(t)
-        dtypes[j] = g
-        shape = t.shape
-        ranks[j] = len(shape)
-        dims.extend(shape)
-    buffers: list[tuple[str, Any]] = []
-    for dtype, g in by_dtype.items():
-        arr = _flatten_dense_tensors(parts[g]).view(torch.uint8).numpy()
-        buf: Any = pickle.PickleBuffer(arr) if protocol >= 5 else arr.tobytes()
-        buffers.append((BUFFER_DTYPES[dtype], buf))
-    return (GROUP_FORMAT, i64_bytes(dtypes), i64_bytes(ranks), i64_bytes(dims), buffers)
-
-
-def _encode_one_dtype(members: list[torch.Tensor], dtype: torch.dtype, protocol: int) -> Any:
-    """``encode_group`` for members of one dtype, none missing (the usual group)."""
-    shapes = list(map(_SHAPE, members))
-    ranks = list(map(len, shapes))
-    dims = list(itertools.chain.from_iterable(shapes))
-    flat = _cat_leading(members) if 0 not in ranks else None
-    if flat is None:
-        flat = _flatten_dense_tensors(members)
-    arr: Any = flat.reshape(-1).view(torch.uint8).numpy()
-    buf: Any = pickle.PickleBuffer(arr) if protocol >= 5 else arr.tobytes()
-    zeros = np.zeros(len(members), dtype="<i8").tobytes()
-    return (GROUP_FORMAT, zeros, i64_bytes(ranks), i64_bytes(dims), [(BUFFER_DTYPES[dtype], buf)])
-
-
-def _cat_leading(members: list[torch.Tensor]) -> torch.Tensor | None:
-    """The members' bytes back to back, when they differ only in their leading size: one
-    ``torch.cat`` along it, without a flat view of each (``None`` when cat refuses the shapes
-    or lays its result out otherwise). Where cat joins, its contiguous result holds exactly
-    the members' bytes in order: the 1-d empty tensors it also accepts add none."""
-    try:
-        flat = torch.cat(members)
-    except RuntimeError:
-        return None
-    return flat if flat.is_contiguous() else None

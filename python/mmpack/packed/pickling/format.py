@@ -26,18 +26,23 @@ protocol 5 (out-of-band capable) or as ``bytes``. A group unpickles as a private
 (``requires_grad=False``). Only plain CPU tensors go into groups; any other segment (autograd,
 subclasses, sparse or nested layouts, lazy conjugate or negative bits) goes to ``others``.
 
-Groups keep tensor identity across the values of one pickle, as the pickle memo does for
-NeMo-RL: the first value that pickles a tensor puts it in its own group, and later values of the
-same pickling operation reference that group object, which the memo writes once. Which values
-belong to one operation, and what a group writes when another operation references it, is
-``mmpack.packed.pickle_operation``'s concern: a payload depends only on the values pickled into it.
-A group member that no value of the payload references may be an empty placeholder.
+Groups keep tensor identity across the values of one pickle, as the pickle memo does for NeMo-RL:
+the first value that pickles a tensor puts it in its own group, and later values of the same
+pickling operation reference that group object, which the memo writes once. Which values belong to
+one operation, and what a group writes when another operation references it, is
+``mmpack.packed.pickling.operation``'s concern: a payload depends only on the values pickled into
+it. A group's bytes are ``mmpack.packed.pickling.group_codec``'s. A group member that no value of
+the payload references may be an empty placeholder.
 
 **Through Ray.** While Ray's serializer runs (and the object-store path is on, see
 ``mmpack.packed.ray_store``), ``segments`` is ``("mmpack.store-segments/1", codes, pos, refs,
 others)`` instead: ``codes[i] == k >= 0`` is member ``pos[i]`` of the chunk ``refs[k]`` (an
 ``ObjectRef``), each unique segment put into the object store once. Such a value restores with
-its segments read in place (``__dict__["_store"]``) until ``tensors`` is first read.
+its segments read in place (a state with ``read_in_place``) until ``tensors`` is first read.
+
+**The value.** Writing reads the value only through ``value.packed_state()`` and reading
+returns a :class:`~mmpack.packed.state.PackedState` that the value applies: this module never
+touches a value's private members.
 
 **Reading.** ``restore`` takes that state, NeMo-RL's current six-field ``__dict__`` state and
 its pre-deduplication three-field one (``tensors``, ``dim_to_pack``, ``pad_to_max_shape``). Any
@@ -48,7 +53,6 @@ inconsistency in a state (truncated or corrupt bytes) is a ``LayoutError`` start
 from __future__ import annotations
 
 import copyreg
-import math
 import operator
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -59,36 +63,34 @@ import torch
 from mmpack._native import LayoutError, MmpackError, PackedLayout
 from mmpack.errors import LayoutMismatchError, UnsafePickleError
 from mmpack.packed import ray_store as _ray_store
-from mmpack.packed.pickle_operation import (
-    GROUP_FORMAT,
+from mmpack.packed.nemo_fields import layout_from_fields
+from mmpack.packed.pickling.group_codec import decode_group, i64_array
+from mmpack.packed.pickling.operation import (
     SEGMENTS_FORMAT,
     STATE_KEY,
     THREADS,
     Group,
     plan_segments,
 )
-from mmpack.packed.restore_charge import RESTORE_CHARGE, charge
+from mmpack.packed.pickling.restore_charge import RESTORE_CHARGE, charge
+from mmpack.packed.state import (
+    RAW_FIELDS,
+    VALUE_FIELDS,
+    PackedState,
+    corrupt,
+    private_segments,
+)
 
 if TYPE_CHECKING:
     from mmpack.packed.value import PackedTensor
 
-__all__ = ["FIELDS", "RAW_FIELDS", "STATE_KEY", "reduce", "restore"]
+__all__ = ["STATE_KEY", "reduce", "restore"]
 
-#: The instance attributes every value has (``_layout`` is the native handle).
-#: ``_store`` holds the segments of a value read in place from Ray's object store, until
-#: ``tensors`` is first read (``mmpack.packed.ray_store``).
-FIELDS = frozenset(("tensors", "dim_to_pack", "pad_to_max_shape", "_layout", "_store"))
-#: NeMo-RL's row mapping and provenance attributes, as its ``__dict__`` states hold them.
-RAW_FIELDS = ("_row_offsets", "_segment_indices", "_segment_provenance")
-CORRUPT = "corrupt PackedTensor pickle"
-# What restoring builds, charged to a restricted load's budget first: per
-# group member (a tensor view and its shape; measured 115-600 bytes), per buffer, per segment
-# slot, per group a value references, per byte of a row layout (the native handle's copies), and per
-# attribute copied into the instance's __dict__ (a dict entry).
-_MEMBER_COST = 640
+# What restoring builds, charged to a restricted load's budget first: per segment slot, per
+# group a value references, per byte of a row layout (the native handle's copies), and per
+# attribute copied into the instance's __dict__ (a dict entry). Groups charge their own.
 _SEGMENT_COST = 96
 _GROUP_COST = 16
-_BUFFER_COST = 2048  # a buffer's tensor, its dtype view and its member list
 _LAYOUT_COST_PER_BYTE = 4
 _ATTRIBUTE_COST = 128
 
@@ -97,12 +99,17 @@ _ATTRIBUTE_COST = 128
 # writing
 
 
-def reduce(value: PackedTensor, group_class: type[PackedTensor]) -> tuple[Any, ...]:
-    """``value.__reduce_ex__``'s result: the reconstructor and the state described above; the
-    groups it makes unpickle as ``group_class``."""
-    lay = value._lay()
+def reduce(
+    value: PackedTensor, packed: PackedState, group_class: type[PackedTensor]
+) -> tuple[Any, ...]:
+    """``value.__reduce_ex__``'s result for its state ``packed`` (``packed_state(in_place=True)``):
+    the reconstructor and the state described above; the groups it makes unpickle as
+    ``group_class``. ``value`` is only named in errors and followed by the operation."""
     for_ray = _ray_store.serializing_for_ray()
-    tensors = value._phys() if for_ray else value.tensors
+    tensors = packed.segments
+    if packed.read_in_place and not for_ray:
+        tensors = private_segments(tensors)  # a plain pickle holds bytes, not store refs
+    lay = packed.layout
     layout_state = None
     if lay is not None:
         offsets, indices = lay.offsets(), lay.indices()
@@ -112,32 +119,26 @@ def reduce(value: PackedTensor, group_class: type[PackedTensor]) -> tuple[Any, .
             None if indices is None else indices.astype("<i8", copy=False).tobytes(),
             lay.provenance_blob(),
         )
-    extra = {k: v for k, v in value.__dict__.items() if k not in FIELDS} or None
+    extra = packed.extra
     if extra:
         _refuse_shadowing(type(value), extra, lambda why: _unwritable(value, why))
-    dim_to_pack, pad_to_max_shape = _written_fields(value)
-    if for_ray:
-        state = {
-            STATE_KEY: 1,
-            "dim_to_pack": dim_to_pack,
-            "pad_to_max_shape": pad_to_max_shape,
-            "layout": layout_state,
-            "segments": _ray_store.encode_segments(tensors),
-            "extra": extra,
-        }
-        THREADS.pending = None  # no group of this value: the pickler's class lookup starts nothing
-        return (copyreg._reconstructor, (type(value), object, None), state)  # type: ignore[attr-defined]
-    op = THREADS.op()
-    plan = plan_segments(tensors, op, group_class)
+    dim_to_pack, pad_to_max_shape = _written_fields(value, packed)
     state = {
         STATE_KEY: 1,
         "dim_to_pack": dim_to_pack,
         "pad_to_max_shape": pad_to_max_shape,
         "layout": layout_state,
-        "segments": plan.segments,
+        "segments": None,
         "extra": extra,
     }
-    THREADS.begin_value(value, state, plan, op)
+    if for_ray:
+        state["segments"] = _ray_store.encode_segments(tensors)
+        THREADS.pending = None  # no group of this value: the pickler's class lookup starts nothing
+    else:
+        op = THREADS.op()
+        plan = plan_segments(tensors, op, group_class)
+        state["segments"] = plan.segments
+        THREADS.begin_value(value, state, plan, op)
     return (copyreg._reconstructor, (type(value), object, None), state)  # type: ignore[attr-defined]
 
 
@@ -148,11 +149,11 @@ def _unwritable(value: PackedTensor, why: str) -> LayoutMismatchError:
     )
 
 
-def _written_fields(value: PackedTensor) -> tuple[int, bool]:
+def _written_fields(value: PackedTensor, packed: PackedState) -> tuple[int, bool]:
     """``dim_to_pack`` and ``pad_to_max_shape`` as the state holds them: an int and a bool.
     numpy integers and booleans (and 0 / 1) are written as such; anything else is refused here,
     where the writer can see it, not on load in another process."""
-    dim, pad = value.dim_to_pack, value.pad_to_max_shape
+    dim, pad = packed.dim_to_pack, packed.pad_to_max_shape
     if not isinstance(dim, int) or isinstance(dim, bool):
         try:
             if isinstance(dim, (bool, np.bool_)):
@@ -175,7 +176,7 @@ def _refuse_shadowing(cls: type, attrs: dict[Any, Any], error: Callable[[str], E
     for key in attrs:
         if not isinstance(key, str):
             raise error(f"attribute name {key!r} is not a string")
-        if key in FIELDS or key in RAW_FIELDS:
+        if key in VALUE_FIELDS or key in RAW_FIELDS:
             continue
         if hasattr(cls, key):
             raise error(f"attribute {key!r} would hide {cls.__name__}.{key}")
@@ -198,38 +199,30 @@ def _check_fits(value: PackedTensor, lay: PackedLayout, indices: np.ndarray | No
         )
 
 
-def _i64_array(data: Any) -> np.ndarray:
-    return np.frombuffer(data, dtype="<i8").astype(np.int64, copy=False)
-
-
 # ---------------------------------------------------------------------------------------------
 # reading
 
 
-def restore(obj: PackedTensor, state: Any) -> None:
-    """``obj.__setstate__(state)`` for any of the states described above."""
+def restore(cls: type[PackedTensor], state: Any) -> PackedState:
+    """The value state of any of the pickled states described above (``cls.__setstate__``)."""
     if not isinstance(state, dict):
-        raise LayoutError(f"{CORRUPT}: the state is a {type(state).__name__}, not a dict")
+        raise corrupt(f"the state is a {type(state).__name__}, not a dict")
     if STATE_KEY in state:
-        _restore_mmpack(obj, state)
-        return
+        return _restore_mmpack(cls, state)
     _check_fields(state, "NeMo-RL state")
     if "_store" in state:  # object-store segments that methods would prefer over ``tensors``
-        raise LayoutError(f"{CORRUPT}: a NeMo-RL state has no '_store'")
+        raise corrupt("a NeMo-RL state has no '_store'")
+    tensors = state["tensors"]
     lay = state.get("_layout")
-    if lay is not None and not (
-        isinstance(lay, PackedLayout) and lay.n_physical == len(state["tensors"])
-    ):
-        raise LayoutError(f"{CORRUPT}: _layout does not fit tensors")
-    _refuse_shadowing(type(obj), state, _corrupt)
+    if lay is not None and not (isinstance(lay, PackedLayout) and lay.n_physical == len(tensors)):
+        raise corrupt("_layout does not fit tensors")
+    _refuse_shadowing(cls, state, corrupt)
     charge(64 * _raw_entries(state) + _ATTRIBUTE_COST * len(state), "a NeMo-RL state")
-    d = obj.__dict__
-    if "_layout" not in state:
-        d.pop("_layout", None)  # a state restored twice: the first one's layout is not this one's
-    d.update(state)
-    if any(k in d for k in RAW_FIELDS) or "_layout" not in d:
-        d.pop("_layout", None)
-        obj._adopt_raw()
+    if any(k in state for k in RAW_FIELDS) or "_layout" not in state:
+        lay = layout_from_fields(len(tensors), *(state.get(k) for k in RAW_FIELDS))
+    skip = VALUE_FIELDS.union(RAW_FIELDS)
+    extra = {k: v for k, v in state.items() if k not in skip}
+    return PackedState(tensors, lay, state["dim_to_pack"], state["pad_to_max_shape"], extra or None)
 
 
 def _raw_entries(state: dict[str, Any]) -> int:
@@ -248,8 +241,8 @@ def _raw_entries(state: dict[str, Any]) -> int:
             continue
         items = (bytes, bytearray) if key == "_segment_provenance" else (int, bool)
         if restricted and not (type(value) is list and all(type(x) in items for x in value)):
-            raise LayoutError(
-                f"{CORRUPT}: {key} must be a list of {items[0].__name__} or a tensor, got "
+            raise corrupt(
+                f"{key} must be a list of {items[0].__name__} or a tensor, got "
                 f"{type(value).__name__}" + (" with other items" if type(value) is list else "")
             )
         if isinstance(value, list):
@@ -257,139 +250,24 @@ def _raw_entries(state: dict[str, Any]) -> int:
     return n
 
 
-def _corrupt(why: str) -> LayoutError:
-    return LayoutError(f"{CORRUPT}: {why}")
-
-
 def _check_fields(state: dict[str, Any], what: str) -> None:
     """The fields every restored value needs: a ``tensors`` list, an int ``dim_to_pack`` and a
     bool ``pad_to_max_shape`` (``LayoutError`` naming the first that is missing or wrong)."""
     for key, types in (("tensors", list), ("dim_to_pack", int), ("pad_to_max_shape", bool)):
         if key not in state:
-            raise LayoutError(f"{CORRUPT}: the {what} has no {key!r}")
+            raise corrupt(f"the {what} has no {key!r}")
         value = state[key]
         if not isinstance(value, types) or (types is int and isinstance(value, bool)):
-            raise LayoutError(
-                f"{CORRUPT}: {key} must be a {types.__name__}, got {type(value).__name__}"
-            )
-
-
-def _unflatten_into(
-    out: list[Any], base: torch.Tensor, slots: list[int], shapes: list[Any]
-) -> None:
-    """Views of ``base`` for the members ``slots`` (in order), into ``out``: runs of members
-    that differ only in their leading size become one ``view(-1, *rest).split(sizes)``."""
-    pos = 0
-    j = 0
-    n = len(slots)
-    total = base.numel()
-    while j < n:
-        shape = shapes[slots[j]]
-        rest = shape[1:]
-        k = j + 1
-        if shape and math.prod(rest):
-            while k < n and (s := shapes[slots[k]])[1:] == rest and s:
-                k += 1
-        numel = sum(math.prod(shapes[i]) for i in slots[j:k]) if k > j + 1 else math.prod(shape)
-        if pos + numel > total:
-            break
-        block = base[pos : pos + numel]
-        if k == j + 1:
-            out[slots[j]] = block.view(shape)
-        else:
-            sizes = [shapes[i][0] for i in slots[j:k]]
-            pieces = block.view((-1, *rest)).split(sizes)
-            for i, piece in zip(slots[j:k], pieces, strict=True):
-                out[i] = piece
-        pos += numel
-        j = k
-    if j < n or pos != total:
-        raise LayoutError(f"{CORRUPT}: its shape table does not match its buffer")
-
-
-def _writable_bytes(buf: Any) -> Any:
-    """A writable buffer holding ``buf``'s bytes (``torch.frombuffer`` warns on read-only)."""
-    view = memoryview(buf)
-    if view.readonly:
-        return bytearray(view)
-    return buf
-
-
-def _decode_group(payload: Any) -> list[Any]:
-    fmt, dtypes, ranks, dims, buffers = payload
-    if fmt != GROUP_FORMAT:
-        raise LayoutError(f"unknown PackedTensor pickle format {fmt!r}")
-    dtypes_a, ranks_a, dims_a = _i64_array(dtypes), _i64_array(ranks), _i64_array(dims)
-    if (
-        len(dtypes_a) != len(ranks_a)
-        or (ranks_a < 0).any()
-        or int(ranks_a.sum()) != len(dims_a)
-        or (dims_a < 0).any()
-        or (len(dtypes_a) and not 0 <= int(dtypes_a.min()) <= int(dtypes_a.max()) < len(buffers))
-    ):
-        raise LayoutError(f"{CORRUPT}: inconsistent tensor tables")
-    copied = sum(memoryview(buf).nbytes for _, buf in buffers if memoryview(buf).readonly)
-    charge(
-        _MEMBER_COST * len(dtypes_a) + 48 * len(dims_a) + _BUFFER_COST * len(buffers) + copied,
-        "a PackedTensor group",
-    )
-    if len(buffers) == 1:
-        uniform = _decode_uniform(ranks_a, dims_a, buffers[0])
-        if uniform is not None:
-            return uniform
-    dtypes_l, ranks_l, dims_l = dtypes_a.tolist(), ranks_a.tolist(), dims_a.tolist()
-    n = len(dtypes_l)
-    shapes: list[Any] = [None] * n
-    slots: list[list[int]] = [[] for _ in buffers]
-    at = 0
-    for j in range(n):
-        r = ranks_l[j]
-        shapes[j] = tuple(dims_l[at : at + r])
-        at += r
-        slots[dtypes_l[j]].append(j)
-    out: list[Any] = [None] * n
-    for (name, buf), members in zip(buffers, slots, strict=True):
-        _unflatten_into(out, _buffer_base(name, buf), members, shapes)
-    return out
-
-
-def _buffer_base(name: str, buf: Any) -> torch.Tensor:
-    """One buffer of a group as a flat tensor of its dtype."""
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise LayoutError(f"unknown dtype {name!r} in a PackedTensor pickle")
-    data = _writable_bytes(buf)
-    if memoryview(data).nbytes == 0:
-        return torch.empty(0, dtype=dtype)
-    return torch.frombuffer(data, dtype=torch.uint8).view(dtype)
-
-
-def _decode_uniform(ranks: np.ndarray, dims: np.ndarray, buffer: Any) -> list[Any] | None:
-    """The members of a one-dtype group whose shapes differ only in their leading size (the
-    usual group), as one ``split`` of its buffer; ``None`` for any other group."""
-    n = len(ranks)
-    r = int(ranks[0]) if n else 0
-    if r < 1 or not (ranks == r).all():
-        return None
-    table = dims.reshape(n, r)
-    rest = table[0, 1:]
-    row = math.prod(rest.tolist())
-    if row == 0 or not (table[:, 1:] == rest).all():
-        return None
-    base = _buffer_base(*buffer)
-    sizes = table[:, 0].tolist()
-    if sum(sizes) * row != base.numel():
-        raise LayoutError(f"{CORRUPT}: its shape table does not match its buffer")
-    return list(base.view((-1, *rest.tolist())).split(sizes))
+            raise corrupt(f"{key} must be a {types.__name__}, got {type(value).__name__}")
 
 
 def _decode_segments(payload: Any) -> list[Any]:
     fmt, codes, pos, groups, others = payload
     if fmt != SEGMENTS_FORMAT:
         raise LayoutError(f"unknown PackedTensor pickle format {fmt!r}")
-    codes_a, pos_a = _i64_array(codes), _i64_array(pos)
+    codes_a, pos_a = i64_array(codes), i64_array(pos)
     if len(codes_a) != len(pos_a) or (len(codes_a) and (codes_a.min() < -2 or pos_a.min() < 0)):
-        raise LayoutError(f"{CORRUPT}: inconsistent segment tables")
+        raise corrupt("inconsistent segment tables")
     charge(_SEGMENT_COST * len(codes_a) + _GROUP_COST * len(groups), "PackedTensor segments")
     group_lists = [
         [g.member(j) for j in range(len(g))] if isinstance(g, Group) else g.tensors for g in groups
@@ -414,26 +292,22 @@ def _decode_segments(payload: Any) -> list[Any]:
     return out
 
 
-def _restore_mmpack(obj: PackedTensor, state: dict[str, Any]) -> None:
+def _restore_mmpack(cls: type[PackedTensor], state: dict[str, Any]) -> PackedState:
     """Restore mmpack's own state; any inconsistency is a ``LayoutError`` (the state comes from
     bytes that may be truncated or corrupt)."""
     try:
-        _restore_fields(obj, state)
+        return _restore_fields(cls, state)
     except MmpackError:
         raise
     except Exception as exc:  # a decoding boundary: every failure means a corrupt state
         if type(exc).__module__.startswith("ray."):
             raise  # the object store's own errors (an owner that died, ...) say what happened
-        raise LayoutError(f"{CORRUPT}: {type(exc).__name__}: {exc}") from exc
+        raise corrupt(f"{type(exc).__name__}: {exc}") from exc
 
 
-def _restore_fields(obj: PackedTensor, state: dict[str, Any]) -> None:
-    if "group" in state:
-        obj.tensors = _decode_group(state["group"])
-        obj.dim_to_pack = 0
-        obj.pad_to_max_shape = False
-        obj._layout = None
-        return
+def _restore_fields(cls: type[PackedTensor], state: dict[str, Any]) -> PackedState:
+    if "group" in state:  # a group: a private legacy value of its members
+        return PackedState(decode_group(state["group"]), None, 0, False)
     segments = state["segments"]
     in_store = isinstance(segments, tuple) and segments[:1] == (_ray_store.STORE_FORMAT,)
     if in_store and RESTORE_CHARGE.get() is not None:
@@ -452,8 +326,8 @@ def _restore_fields(obj: PackedTensor, state: dict[str, Any]) -> None:
         charge(_LAYOUT_COST_PER_BYTE * nbytes, "a PackedTensor row layout")
         lay = PackedLayout.build(
             len(tensors),
-            None if offsets is None else _i64_array(offsets),
-            None if indices is None else _i64_array(indices),
+            None if offsets is None else i64_array(offsets),
+            None if indices is None else i64_array(indices),
             provenance_blob=None if blob is None else bytes(blob),
         )
     fields = {
@@ -464,18 +338,13 @@ def _restore_fields(obj: PackedTensor, state: dict[str, Any]) -> None:
     _check_fields(fields, "mmpack state")
     extra = state.get("extra")
     if extra is not None and not (
-        isinstance(extra, dict) and FIELDS.isdisjoint(extra) and not set(RAW_FIELDS) & extra.keys()
+        isinstance(extra, dict)
+        and VALUE_FIELDS.isdisjoint(extra)
+        and not set(RAW_FIELDS) & extra.keys()
     ):
-        raise LayoutError(f"{CORRUPT}: extra attributes must be a dict of non-field names")
+        raise corrupt("extra attributes must be a dict of non-field names")
     if extra:
-        _refuse_shadowing(type(obj), extra, _corrupt)
+        _refuse_shadowing(cls, extra, corrupt)
         charge(_ATTRIBUTE_COST * len(extra), "PackedTensor attributes")
-    if in_store:
-        obj._store = tensors  # read in place; ``tensors`` makes private copies on first read
-    else:
-        obj.tensors = tensors
-    obj.dim_to_pack = fields["dim_to_pack"]
-    obj.pad_to_max_shape = fields["pad_to_max_shape"]
-    obj._layout = lay
-    if extra:
-        obj.__dict__.update(extra)
+    dim_to_pack, pad_to_max_shape = fields["dim_to_pack"], fields["pad_to_max_shape"]
+    return PackedState(tensors, lay, dim_to_pack, pad_to_max_shape, extra or None, in_store)
