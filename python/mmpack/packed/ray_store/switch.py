@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from mmpack.errors import PackedTensorError as RayStoreError
+from mmpack.errors import PackedTensorError
 from mmpack.packed.ray_store import put_table
 
 __all__ = ["ENV_VAR", "OFF_VALUES", "enable", "enabled", "env_on", "serializing_for_ray"]
@@ -52,7 +52,7 @@ def enable(on: bool = True, *, held_bytes: int | None = _UNCHANGED) -> None:
             except TypeError:
                 raise TypeError(f"held_bytes must be an int or None, got {held_bytes!r}") from None
             if held_bytes < 0:
-                raise RayStoreError(f"held_bytes must not be negative, got {held_bytes}")
+                raise PackedTensorError(f"held_bytes must not be negative, got {held_bytes}")
         put_table.set_held_bytes(held_bytes)
     _State.on = bool(on)
     put_table.shrink_to_setting(off=not _State.on)
