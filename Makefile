@@ -37,8 +37,9 @@ build: venv  ## build the extension into the venv with the fast optimised profil
 build-release: venv
 	maturin develop --release --locked -q
 
-# The class lists of python/mmpack/errors.py and the error section of _native.pyi come from the
-# error table in rust/py/src/errors.rs; a test fails while they are stale.
+# The native class list of python/mmpack/errors.py and the error section of _native.pyi come from
+# the error table in rust/py/src/errors.rs; a test fails while they are stale. Errors declared in
+# errors.py's own (Python) table need neither a rebuild nor this.
 .PHONY: stubs
 stubs: build  ## regenerate the error sections of errors.py and _native.pyi from the built extension
 	PYTHONPATH=dev$${PYTHONPATH:+:$$PYTHONPATH} $(PY) -m mmpack_dev.stubgen

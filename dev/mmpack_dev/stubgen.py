@@ -1,12 +1,14 @@
-"""Write the generated parts of ``mmpack/errors.py`` and ``mmpack/_native.pyi`` from the error
-table of the built extension (``mmpack._native.ERROR_TABLE``, declared once in
+"""Write the generated parts of ``mmpack/errors.py`` and ``mmpack/_native.pyi`` from the native
+error table of the built extension (``mmpack._native.ERROR_TABLE``, declared once in
 ``rust/py/src/errors.rs``).
 
 Each file keeps a hand-written frame; only the text between its ``BEGIN`` and ``END`` marker
-lines is replaced: in ``errors.py`` the imports and ``__all__``, in the stub the exception
-classes with their bases and docstrings, both grouped by area in table order. Run it after
-changing the table and rebuilding: ``make stubs`` (``PYTHONPATH=dev python -m
-mmpack_dev.stubgen``); ``--check`` only reports the files that differ (exit status 1).
+lines is replaced: in ``errors.py`` the import of the native classes, in the stub the native
+exception classes with their bases and docstrings, both grouped by area in table order. The
+classes of the Python table in ``errors.py`` are real Python classes, so they need nothing
+generated. Run it after changing the native table and rebuilding: ``make stubs``
+(``PYTHONPATH=dev python -m mmpack_dev.stubgen``); ``--check`` only reports the files that
+differ (exit status 1).
 """
 
 from __future__ import annotations
@@ -33,16 +35,13 @@ def _areas(table: Sequence[Row]) -> dict[str, list[Row]]:
 
 
 def render_errors_section(table: Sequence[Row]) -> str:
-    """The imports and ``__all__`` of ``mmpack.errors``: every class, by area."""
+    """The import of every native class into ``mmpack.errors``, by area. ``X as X`` marks each
+    as re-exported for linters and type checkers, which cannot read the computed ``__all__``."""
     imports = ["from mmpack._native import ("]
-    names = ["__all__ = ["]
     for area, rows in _areas(table).items():
         imports.append(f"    # --- {area} ---")
-        names.append(f"    # --- {area} ---")
-        for name, *_ in rows:
-            imports.append(f"    {name},")
-            names.append(f'    "{name}",')
-    return "\n".join([*imports, ")", "", *names, "]"])
+        imports += [f"    {name} as {name}," for name, *_ in rows]
+    return "\n".join([*imports, ")"])
 
 
 def _docstring(doc: str, indent: str) -> list[str]:

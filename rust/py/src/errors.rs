@@ -1,18 +1,19 @@
-//! Every mmpack exception class, declared once in `error_table!` below.
+//! The native mmpack exception classes, declared once in `error_table!` below: those the
+//! bindings raise, for a `CoreError` variant or from their own checks, and the area bases they
+//! subclass. Errors raised only from Python are declared in `python/mmpack/errors.py`, where
+//! changing one needs no rebuild; they subclass these classes.
 //!
 //! Each row gives a class's name, its bases (earlier rows of the table, or builtins such as
-//! `TypeError` and `pickle.PicklingError` for code written against NeMo-RL or the stdlib), its
-//! area and its docstring. Module init creates the classes in table order with
-//! `type(name, bases, namespace)` under `mmpack._native`, so Rust raises any of them
-//! (`ErrorClass::X.new_err`) and the Python-only raisers import them from `mmpack.errors`. The
-//! table is also exported as data, `_native.ERROR_TABLE`, from which `python -m
-//! mmpack_dev.stubgen` writes the class lists of `mmpack/errors.py` and `_native.pyi`.
-//! A user catches a whole area through its base; every class is an `MmpackError`, a
-//! `ValueError`.
+//! `ValueError`, or `module.Name`), its area and its docstring. Module init creates the classes
+//! in table order with `type(name, bases, namespace)` under `mmpack._native`, so Rust raises any
+//! of them (`ErrorClass::X.new_err`) and `mmpack.errors` re-exports them. The table is also
+//! exported as data, `_native.ERROR_TABLE`, from which `python -m mmpack_dev.stubgen` writes the
+//! native class lists of `mmpack/errors.py` and `_native.pyi`. A user catches a whole area
+//! through its base; every class is an `MmpackError`, a `ValueError`.
 //!
-//! A new class is one row here, then `make stubs`. If Rust raises it for a core error, that error
-//! is a `CoreError` variant, and the exhaustive match in `From<PyCoreError> for PyErr` names its
-//! class.
+//! A new native class is one row here, then `make stubs`; a test fails if no Rust code raises a
+//! row (or subclasses it). If Rust raises it for a core error, that error is a `CoreError`
+//! variant, and the exhaustive match in `From<PyCoreError> for PyErr` names its class.
 use mmpack_core::CoreError;
 use pyo3::exceptions::{PyAssertionError, PyImportError, PyIndexError, PyRuntimeError};
 use pyo3::prelude::*;
@@ -25,7 +26,7 @@ const MODULE: &str = "mmpack._native";
 struct ErrorSpec {
     class: ErrorClass,
     name: &'static str,
-    /// Names of earlier rows, or builtins: `TypeError` (module `builtins`) or `module.Name`.
+    /// Names of earlier rows, or builtins: `ValueError` (module `builtins`) or `module.Name`.
     bases: &'static [&'static str],
     area: &'static str,
     doc: &'static str,
@@ -67,25 +68,8 @@ error_table! {
         repeat counts are non-negative.";
     ProvenanceError("LayoutError") in "PackedTensor": "A provenance entry is not a 16-byte id \
         (uuid.uuid4().bytes).";
-    LayoutMismatchError("LayoutError", "pickle.PicklingError") in "PackedTensor": "A \
-        ``PackedTensor`` is pickled while its ``tensors`` list no longer fits its row layout (a \
-        segment appended to or removed from ``tensors`` of a deduplicated value, or a segment \
-        index past the end of the list): its pickle would not load. The message names the value \
-        and both counts. Also a ``pickle.PicklingError``.";
     ShardError("PackedTensorError") in "PackedTensor": "Rows cannot be split into the requested \
         number of equal shards.";
-    OutBufferError("PackedTensorError", "TypeError") in "PackedTensor": "The ``out=`` buffer given \
-        to ``PackedTensor.as_tensor`` does not fit the result: wrong shape, dtype or device, not \
-        contiguous, or overlapping the segments being gathered. Both a ``ValueError`` and a \
-        ``TypeError``.";
-    PinMemoryUnavailableError("PackedTensorError", "RuntimeError") in "PackedTensor":
-        "``pin_memory=True`` was asked for but this torch build has no accelerator to pin host \
-        memory for (page-locked memory needs CUDA).";
-    SegmentMismatchError("PackedTensorError", "RuntimeError") in "PackedTensor": "The segments of \
-        a ``PackedTensor`` cannot be concatenated by ``as_tensor``: they live on different devices \
-        (or on ``meta`` while data is needed), have different ranks, or differ in a dimension \
-        other than ``dim_to_pack`` without ``pad_to_max_shape``. The message names the devices or \
-        shapes. Also a ``RuntimeError``, which NeMo-RL (``torch.cat``) raises there.";
     // --- packing ---
     PackingError("MmpackError") in "packing": "Base class of the sequence-packing errors: lengths, \
         bin budgets, bin counts and packing arguments.";
@@ -97,9 +81,6 @@ error_table! {
         inconsistent with the others.";
     BinCountError("PackingError") in "packing": "min_bins / bins_multiple_of ask for more bins \
         than there are items.";
-    PackingDtypeError("PackingError", "TypeError") in "packing": "Lengths (or media counts) given \
-        to ``mmpack.packing`` are not integers: floats, bools, strings or objects. Both a \
-        ``ValueError`` and a ``TypeError``.";
     // --- batch ---
     BatchError("MmpackError") in "batch": "Base class of the errors of building a packed batch: \
         samples, loss masks, turn markers, media and batch options.";
@@ -116,59 +97,9 @@ error_table! {
     BatchOptionError("BatchError") in "batch": "A batch-builder option is out of range or breaks \
         the batch's fields (a negative pad_token_id, an ignore_index that is a token id of the \
         batch, a pack longer than pad_to_length).";
-    BatchOptionTypeError("BatchOptionError", "TypeError") in "batch": "A batch option of the \
-        wrong type (a bool or a float for an int, a string or a mapping for the roles), or \
-        options= together with a keyword that contradicts it. A ``BatchOptionError`` like every \
-        bad option, and a ``TypeError`` as Python's own argument errors are.";
     BatchLayoutError("BatchError") in "batch": "The fields of a batch disagree with each other (a \
         PackedBatch or PaddedBatch built by hand, or packs that cannot form one micro-batch); the \
         message names the field, the sample and the position.";
-    BatchMediaError("BatchError") in "batch": "The media of one key cannot be merged across the \
-        samples of a pack (for example different ``dim_to_pack``); the message names the key and \
-        the samples.";
-    ChatTemplateError("BatchError") in "batch": "A chat template cannot give token ids and a loss \
-        mask: the tokenizer has no template, the conversation is empty, or the template is not \
-        prefix-stable (per-message boundaries are unknown).";
-    // --- energon ---
-    EnergonDataError("MmpackError") in "energon": "Base class of the Megatron-Energon \
-        integration's errors: encoder configuration, modalities, sample formats and skipped \
-        samples.";
-    EnergonConfigError("EnergonDataError") in "energon": "A `PackingEncoderConfig` (or a loader \
-        option) is invalid: an unknown or retired field, a value out of range (a failure tolerance \
-        of 0), or a checkpoint that does not fit the loader.";
-    ModalityConfigError("EnergonDataError") in "energon": "A configured modality is not fully \
-        supported by the processor / feature-extractor settings; the message names every missing \
-        setting. Raised at construction, before any sample is read.";
-    SampleFormatError("EnergonDataError") in "energon": "A raw sample cannot be cooked or encoded \
-        (malformed JSON, a media placeholder without a manifest entry, a missing media key); the \
-        message names the sample.";
-    MediaTokenCountError("EnergonDataError") in "energon": "A decoded media item takes a different \
-        number of tokens than the sample was encoded with (its manifest or fragment metadata \
-        declares a wrong size or duration). The message names the sample, the item and both \
-        counts; the sample is counted as failed, never packed with its media shifted against its \
-        placeholder tokens.";
-    UndeclaredModalityError("EnergonDataError") in "energon": "A sample holds media of a kind the \
-        encoder's config does not declare in ``modalities``. The message names the kind and the \
-        setting to change (``modalities``, or ``on_undeclared_media: skip`` to skip and count such \
-        samples instead).";
-    TooManySkippedError("EnergonDataError") in "energon": "Too many consecutive samples were \
-        skipped by policy. Energon waits forever when every sample is skipped, so the encoder \
-        stops the job instead; the message gives counts per reason.";
-    // --- safe_load ---
-    PickleSecurityError("MmpackError", "pickle.UnpicklingError") in "safe_load": "Base class of \
-        the refusals of ``mmpack.compat.nemo_rl.loads`` / ``load``: a pickle that is unsafe or not \
-        readable. Also a ``pickle.UnpicklingError``, so code that catches that keeps working.";
-    UnsafePickleError("PickleSecurityError") in "safe_load": "A pickle handed to \
-        ``mmpack.compat.nemo_rl.loads`` / ``load`` references a global that a PackedTensor payload \
-        never needs (for example ``os.system``); the message names it.";
-    CorruptPickleError("PickleSecurityError") in "safe_load": "``mmpack.compat.nemo_rl.loads`` / \
-        ``load`` got bytes that are not a readable pickle or ``torch.save`` archive (truncated, \
-        bit-flipped, inconsistent length fields or tensor records); the original error is chained \
-        as ``__cause__``.";
-    PickleTooLargeError("PickleSecurityError") in "safe_load": "``mmpack.compat.nemo_rl.loads`` / \
-        ``load`` would need more memory than a payload of that size may cost: by default 32 times \
-        its size plus 64 MiB, or the caller's ``max_bytes=``. Refused before the memory is \
-        allocated; the message gives the payload's size and the bound.";
 }
 
 /// The classes made at module init, indexed by `ErrorClass`.
