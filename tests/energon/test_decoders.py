@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 from mmpack import PackedTensor
-from mmpack.energon import PackingEncoderConfig, PackingTaskEncoder, task_encoder
+from mmpack.energon import PackingEncoderConfig, PackingTaskEncoder, decoders
 from mmpack.energon.decoders import BuiltinDecoder, DecodedMedia, decode_media
 from mmpack.energon.media import MediaHandle
 from mmpack.energon.processors import ModelProcessor
@@ -69,7 +69,7 @@ def test_both_decoders_go_through_the_one_loop(build: Any, monkeypatch: pytest.M
         seen.append(decoder)
         return decode_media(decoder, *args, **kwargs)
 
-    monkeypatch.setattr(task_encoder, "decode_media", spy)
+    monkeypatch.setattr(decoders, "decode_media", spy)
     shared = image("shared.png", (64, 48))
     encoded = enc.encode_conversation(conversation(shared, image("own.png", (32, 32)), shared))
     decoded = enc.postencode_sample(encoded)

@@ -3,10 +3,11 @@ startup validation, failure handling and a synthetic dataset writer.
 
 Modules: `task_encoder` (`PackingTaskEncoder`, the Energon hooks), `conversation_encoder` (how
 a conversation becomes tokens, chosen at construction: `chat_template` or `markup`), `decoders`
-(the media-decode loop: built-in decoding or the model's `processors`), `policy` (skips,
-consecutive-skip guard, finite failure tolerance), `config`, `cookers`, `media`, `samples`,
-`stats`, `loader` and `validation`. Batches are built by `mmpack.batch` (packs) and
-`mmpack.batch.padded` (the no-packing rows).
+(the media-decode loop: built-in decoding or the model's `processors`, a package with one
+module per modality), `policy` (skips, consecutive-skip guard, finite failure tolerance),
+`packing_checks` (no pack over capacity, every sample in one pack), `config`, `cookers`,
+`media`, `samples`, `stats`, `loader` and `validation`. Batches are built by `mmpack.batch`
+(packs) and `mmpack.batch.padded` (the no-packing rows).
 
 Needs the extra ``mmpack[energon]`` (``megatron-energon`` and ``torch``).
 

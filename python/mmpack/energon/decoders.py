@@ -1,4 +1,5 @@
-"""Media decoding of one selected sample: `decode_media`, one loop over a `MediaDecoder`.
+"""Media decoding of one selected sample: `decode_media`, one loop over a `MediaDecoder`, and
+`PackMedia`, the items already decoded for the pack being built.
 
 Two decoders implement the interface: `BuiltinDecoder` (mmpack's own image patches and audio
 waveforms, `MediaHandle.decode`) and `mmpack.energon.processors.ModelProcessor` (a model's
@@ -18,9 +19,10 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from mmpack.energon.media import MEDIA_KEYS, MediaHandle, MediaSettings
+from mmpack.energon.samples import EncodedConversation
 from mmpack.errors import MediaTokenCountError, SampleFormatError, UndeclaredModalityError
 
-__all__ = ["BuiltinDecoder", "DecodedMedia", "MediaDecoder", "decode_media"]
+__all__ = ["BuiltinDecoder", "DecodedMedia", "MediaDecoder", "PackMedia", "decode_media"]
 
 
 @dataclasses.dataclass
@@ -150,6 +152,36 @@ def decode_media(
             )
         )
     return out, fresh
+
+
+class PackMedia:
+    """The media decoded for the pack (or padded batch) being built, by provenance: Energon
+    post-encodes every member of a pack, then packs them, so an item shared inside a pack is
+    decoded once (a cache of equal values: it changes nothing that is produced). Cleared when
+    the pack is built, so the next pack starts with no shared media."""
+
+    def __init__(self, modalities: Sequence[str], *, by_content: bool) -> None:
+        self.modalities = tuple(modalities)
+        self.by_content = by_content
+        self._decoded: dict[bytes, DecodedMedia] = {}
+
+    def decode(
+        self, decoder: MediaDecoder, sample: EncodedConversation, *, packed_tensor_type: Any
+    ) -> tuple[dict[str, Any], int]:
+        """`decode_media` of `sample`'s media, sharing the items decoded for this pack."""
+        return decode_media(
+            decoder,
+            sample.__key__,
+            sample.media,
+            sample.media_tokens,
+            modalities=self.modalities,
+            packed_tensor_type=packed_tensor_type,
+            by_content=self.by_content,
+            decoded=self._decoded,
+        )
+
+    def clear(self) -> None:
+        self._decoded.clear()
 
 
 def _declared_size(handle: MediaHandle) -> str:

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from megatron.energon import Batch, Sample, edataclass
 
-from mmpack.batch import masks
+from mmpack.batch import EncodedSample, masks
 from mmpack.energon.media import MediaHandle
 
 if TYPE_CHECKING:
@@ -137,6 +137,33 @@ class EncodedConversation(Sample):
             media_tokens=self.media_tokens,
         )
 
+    def batch_sample(self, *, precomputed: bool) -> EncodedSample:
+        """The `mmpack.batch.EncodedSample` of this (decoded) conversation: with its loss mask
+        when `precomputed`, else with its message lengths and roles."""
+        return EncodedSample(
+            self.__key__,
+            self.token_ids,
+            loss_mask=self.loss_mask if precomputed else None,
+            message_lengths=None if precomputed else self.message_lengths,
+            message_roles=None if precomputed else self.message_roles,
+            media=self.decoded_media,
+        )
+
+    def with_decoded_media(self, decoded: dict[str, Any]) -> EncodedConversation:
+        """This encoding with its `decoded_media` (what `postencode_sample` makes)."""
+        return EncodedConversation.derive_from(
+            self,
+            token_ids=self.token_ids,
+            loss_mask=self.loss_mask,
+            message_lengths=self.message_lengths,
+            message_roles=self.message_roles,
+            media=self.media,
+            media_units=self.media_units,
+            trainable_tokens=self.trainable_tokens,
+            media_tokens=self.media_tokens,
+            decoded_media=decoded,
+        )
+
 
 @edataclass
 class SftPack(Sample):
@@ -147,6 +174,20 @@ class SftPack(Sample):
     sample_keys: list[str]
     num_tokens: int
     capacity: int
+
+    @classmethod
+    def of(cls, samples: Sequence[EncodedConversation], packed: Any, capacity: int) -> SftPack:
+        """The pack of `samples` (their keys and sources carried), built as `packed`."""
+        keys = [s.__key__ for s in samples]
+        return cls(
+            __key__=",".join(keys),
+            __restore_key__=(),
+            __sources__=tuple(src for s in samples for src in (s.__sources__ or ())),
+            packed=packed,
+            sample_keys=keys,
+            num_tokens=int(sum(s.num_tokens for s in samples)),
+            capacity=capacity,
+        )
 
 
 @edataclass
@@ -160,6 +201,32 @@ class SftBatch(Batch):
     token_slots: int
     packs: list[Any] | None = None
     padded: Any = None  # mmpack.batch.padded.PaddedBatch
+
+    @classmethod
+    def of_packs(cls, packs: Sequence[SftPack]) -> SftBatch:
+        """The batch of `packs` (packing on)."""
+        return cls(
+            __key__=[p.__key__ for p in packs],
+            __restore_key__=(),
+            __sources__=tuple(src for p in packs for src in (p.__sources__ or ())),
+            sample_keys=[k for p in packs for k in p.sample_keys],
+            num_tokens=sum(p.num_tokens for p in packs),
+            token_slots=sum(p.capacity for p in packs),
+            packs=[p.packed for p in packs],
+        )
+
+    @classmethod
+    def of_padded(cls, samples: Sequence[EncodedConversation], padded: Any) -> SftBatch:
+        """The batch of `samples` built as `padded` rows (packing off)."""
+        return cls(
+            __key__=[s.__key__ for s in samples],
+            __restore_key__=(),
+            __sources__=tuple(src for s in samples for src in (s.__sources__ or ())),
+            sample_keys=[s.__key__ for s in samples],
+            num_tokens=sum(s.num_tokens for s in samples),
+            token_slots=int(padded.input_ids.numel()),
+            padded=padded,
+        )
 
     def micro_batch(
         self, options: BatchOptions | None = None, **keywords: Unpack[BatchOptionKeywords]

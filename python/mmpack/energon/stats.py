@@ -22,9 +22,11 @@ Saving the counters in the checkpoint would not remove that double count, only m
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
-from collections.abc import Callable, Iterable
+import time
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 __all__ = ["FAILURE_SLOTS", "SKIP_REASONS", "LoaderStats", "combine_snapshots"]
@@ -74,6 +76,13 @@ class LoaderStats:
         index = _INDEX[name]
         with self._values.get_lock():
             self._values[index] += amount
+
+    @contextlib.contextmanager
+    def timed(self, name: str) -> Iterator[None]:
+        """Add the nanoseconds the ``with`` body takes to `name` (when it does not raise)."""
+        start = time.perf_counter_ns()
+        yield
+        self.add(name, time.perf_counter_ns() - start)
 
     def skip(self, reason: str) -> None:
         self.add(f"skipped:{reason}")

@@ -23,20 +23,15 @@ config (finite; 0 is rejected). Policy skips raise ``SkipSample`` and are counte
 
 from __future__ import annotations
 
-import itertools
 import random
-import time
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import numpy as np
 from megatron.energon import DefaultTaskEncoder, SkipSample, stateless
-from megatron.energon.errors import FatalSampleError
 
 from mmpack import PackedTensor
 from mmpack.batch import EncodedSample, PackedBatch, pack_samples
-from mmpack.batch.fields import THD_MAX_LENGTH
-from mmpack.batch.options import BatchOptions
 from mmpack.batch.padded import PaddedBatch, pad_samples
 from mmpack.energon.config import PackingEncoderConfig
 from mmpack.energon.conversation_encoder import (
@@ -45,25 +40,27 @@ from mmpack.energon.conversation_encoder import (
     build_conversation_encoder,
 )
 from mmpack.energon.cookers import default_cookers
-from mmpack.energon.decoders import BuiltinDecoder, MediaDecoder, decode_media
+from mmpack.energon.decoders import BuiltinDecoder, MediaDecoder, PackMedia
 from mmpack.energon.markup import tokenize
-from mmpack.energon.media import MediaSettings
+from mmpack.energon.packing_checks import (
+    check_buffer_lengths,
+    check_capacity,
+    check_ignore_index,
+    check_pack_length,
+    packs_of,
+    probe_batch_options,
+    probe_packer,
+)
 from mmpack.energon.policy import (
     ConsecutiveSkipGuard,
     check_conversation,
     check_hooks,
     check_sample,
 )
-from mmpack.energon.processors import ModelProcessor, is_model_processor
 from mmpack.energon.samples import Conversation, EncodedConversation, SftBatch, SftPack
 from mmpack.energon.stats import LoaderStats
-from mmpack.energon.validation import (
-    check_chat_template,
-    check_model_processor,
-    check_optional_dependencies,
-    resolve_media_settings,
-)
-from mmpack.errors import BatchOptionError, EnergonConfigError, IndexOverflowError
+from mmpack.energon.validation import check_chat_template, resolve_processor
+from mmpack.errors import EnergonConfigError
 from mmpack.packing import pack
 
 __all__ = ["PackingTaskEncoder"]
@@ -132,17 +129,11 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
         self.__default_failure_tolerance__ = cfg.failure_tolerance
         #: the model's Hugging Face processor, called for real on the media (None: a mapping
         #: of settings for mmpack's own patchifier)
-        self.model_processor = ModelProcessor(processor) if is_model_processor(processor) else None
-        if self.model_processor is not None:
-            check_model_processor(self.model_processor, cfg.modalities)
-            if cfg.media_capacity is not None:
-                self.model_processor.require_unit_rule()
-            self.media_settings = MediaSettings()
-            if tokenizer is None:
-                tokenizer = processor.tokenizer
-        else:
-            self.media_settings = resolve_media_settings(processor, cfg.modalities)
-            check_optional_dependencies(cfg.modalities)
+        self.model_processor, self.media_settings = resolve_processor(
+            processor, cfg.modalities, media_capacity=cfg.media_capacity
+        )
+        if self.model_processor is not None and tokenizer is None:
+            tokenizer = processor.tokenizer
         #: decodes the media of the selected samples (`postencode_sample`)
         self.media_decoder: MediaDecoder = (
             self.model_processor
@@ -168,10 +159,10 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
         )
         if self.conversation_format == "chat_template":
             check_chat_template(self.encode_conversation, cfg.modalities)
-        self._probe_packer()
-        self._check_ignore_index()
-        self.batch_options = self._probe_batch_options()
-        self._check_capacity()
+        probe_packer(self.plan_packs, self.packer_name, media=cfg.media_capacity is not None)
+        check_ignore_index(cfg.ignore_index, self.tokenizer)
+        self.batch_options = probe_batch_options(cfg)
+        check_capacity(cfg, self.batch_options)
         check_hooks(
             self,
             restored_hooks=self.RESTORED_HOOKS,
@@ -180,76 +171,8 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
         )
         self.stats = LoaderStats()
         self._skip_guard = ConsecutiveSkipGuard(self.stats, cfg.max_consecutive_skips)
-        # media decoded for the pack (or padded batch) being built, by provenance: Energon
-        # post-encodes every member of a pack, then packs them, so an item shared inside a
-        # pack is decoded once (a cache of equal values: it changes nothing that is produced)
-        self._pack_media: dict[bytes, Any] = {}
-
-    def _probe_packer(self) -> None:
-        """Fail at construction (not in a worker) if the packing options are invalid."""
-        cfg = self.config
-        try:
-            self.plan_packs(
-                np.array([1], dtype=np.int64),
-                None if cfg.media_capacity is None else np.array([0], dtype=np.int64),
-                seed=0,
-            )
-        except EnergonConfigError:
-            raise
-        except Exception as err:
-            raise EnergonConfigError(
-                f"packing options rejected by {self.packer_name}: {type(err).__name__}: {err}"
-            ) from err
-
-    def _probe_batch_options(self) -> BatchOptions:
-        """The config's batch options, made once; fail at construction (not in a worker) if
-        they are invalid (a negative ``pad_token_id``, an ``ignore_index`` equal to it): one
-        padding token through the batch builder."""
-        probe = EncodedSample("probe", [self.config.pad_token_id], loss_mask=[1])
-        try:
-            options = self.config.batch_options()
-            pack_samples([probe], options.replace(loss_mask_mode="precomputed"))
-        except (BatchOptionError, IndexOverflowError) as err:  # overflow: padding past int32
-            raise EnergonConfigError(f"batch options rejected by pack_samples: {err}") from err
-        return options
-
-    def _check_capacity(self) -> None:
-        """Refuse a ``capacity`` that no pack can have: every sample is padded to the padding
-        multiple, so a pack's length is a multiple of it, and so must the fixed length of a
-        micro-batch be (``pad_to_length=capacity * batch_size``), which ``cu_seqlens`` (int32)
-        must hold."""
-        capacity = self.config.capacity
-        batch_size = self.config.batch_size
-        if capacity * batch_size > THD_MAX_LENGTH:
-            raise EnergonConfigError(
-                f"capacity * batch_size = {capacity} * {batch_size} = {capacity * batch_size} "
-                f"positions: a micro-batch (pad_to_length=capacity * batch_size) holds at most "
-                f"2**31 - 1 = {THD_MAX_LENGTH} (cu_seqlens are int32)"
-            )
-        multiple = self.batch_options.padding_multiple
-        if capacity % multiple:
-            below = capacity - capacity % multiple
-            above = below + multiple
-            hint = f"{below} or {above}" if below else str(above)
-            raise EnergonConfigError(
-                f"capacity={capacity} is not a multiple of {multiple}, the padding multiple of "
-                f"pad_to_multiple_of={self.config.pad_to_multiple_of} and "
-                f"cp_size={self.config.cp_size}: every sample is padded to a multiple of "
-                f"{multiple}, so a pack's length is one; use {hint}"
-            )
-
-    def _check_ignore_index(self) -> None:
-        """Refuse an ``ignore_index`` that is a token id of the tokenizer: labels of that token
-        would be ignored by the loss (caught here, not only by the batch that first holds it)."""
-        if self.tokenizer is None:
-            return
-        vocab_size = len(self.tokenizer)
-        if 0 <= self.config.ignore_index < vocab_size:
-            raise EnergonConfigError(
-                f"ignore_index={self.config.ignore_index} is a valid token id of the tokenizer "
-                f"(vocabulary size {vocab_size}), so labels of that token would be ignored by "
-                "the loss; use a negative value such as -100"
-            )
+        # media decoded for the pack (or padded batch) being built: decoded once per pack
+        self._pack_media = PackMedia(cfg.modalities, by_content=cfg.media_identity == "content")
 
     @property
     def conversation_format(self) -> str:
@@ -375,7 +298,7 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
         lengths = np.fromiter(
             (self.pack_length(s) for s in samples), dtype=np.int64, count=len(samples)
         )
-        self._check_oversize_reached_packing(samples, lengths)
+        check_buffer_lengths(samples, lengths, self.config.capacity)
         media = None
         if self.config.media_capacity is not None:
             media = np.fromiter(
@@ -383,34 +306,14 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
             )
         # seeded by Energon from (worker seed, call index): restorable
         seed = random.getrandbits(63)
-        start = time.perf_counter_ns()
-        packing = self.plan_packs(lengths, media, seed=seed)
-        offsets = np.asarray(packing.bin_offsets).tolist()
-        items = np.asarray(packing.item_indices).tolist()
-        self.stats.add("select_ns", time.perf_counter_ns() - start)
-        if len(items) != len(samples) or sorted(items) != list(range(len(samples))):
-            raise RuntimeError(
-                f"packer returned {len(items)} placements for {len(samples)} samples; every "
-                "sample must be in exactly one pack"
-            )
-        return [[samples[i] for i in items[a:b]] for a, b in itertools.pairwise(offsets)]
+        with self.stats.timed("select_ns"):
+            packing = self.plan_packs(lengths, media, seed=seed)
+        return packs_of(samples, packing)
 
     @stateless
     def postencode_sample(self, sample: EncodedConversation) -> EncodedConversation:
         """Decode the media of one selected sample (the only place media is decoded)."""
-        decoded = self.decode_media(sample)
-        return EncodedConversation.derive_from(
-            sample,
-            token_ids=sample.token_ids,
-            loss_mask=sample.loss_mask,
-            message_lengths=sample.message_lengths,
-            message_roles=sample.message_roles,
-            media=sample.media,
-            media_units=sample.media_units,
-            trainable_tokens=sample.trainable_tokens,
-            media_tokens=sample.media_tokens,
-            decoded_media=decoded,
-        )
+        return sample.with_decoded_media(self.decode_media(sample))
 
     def decode_media(self, sample: EncodedConversation) -> dict[str, Any]:
         """One `PackedTensor` row per output key of each configured modality, decoded by the
@@ -418,15 +321,8 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
         referenced twice, in this sample or in another member of its pack, is read, decoded
         and stored once; raises `MediaTokenCountError` when an item takes another number of
         tokens than the sample was encoded with."""
-        decoded, n_decoded = decode_media(
-            self.media_decoder,
-            sample.__key__,
-            sample.media,
-            sample.media_tokens,
-            modalities=self.config.modalities,
-            packed_tensor_type=self.packed_tensor_type,
-            by_content=self.config.media_identity == "content",
-            decoded=self._pack_media,
+        decoded, n_decoded = self._pack_media.decode(
+            self.media_decoder, sample, packed_tensor_type=self.packed_tensor_type
         )
         if n_decoded:
             self.stats.add("decoded", n_decoded)
@@ -434,15 +330,7 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
 
     def to_encoded_sample(self, sample: EncodedConversation) -> EncodedSample:
         """The `mmpack.batch.EncodedSample` of one (decoded) conversation."""
-        precomputed = self.config.loss_mask_mode == "precomputed"
-        return EncodedSample(
-            sample.__key__,
-            sample.token_ids,
-            loss_mask=sample.loss_mask if precomputed else None,
-            message_lengths=None if precomputed else sample.message_lengths,
-            message_roles=None if precomputed else sample.message_roles,
-            media=sample.decoded_media,
-        )
+        return sample.batch_sample(precomputed=self.config.loss_mask_mode == "precomputed")
 
     @stateless
     def pack_selected_samples(self, samples: list[EncodedConversation]) -> SftPack:
@@ -453,85 +341,21 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
             # was already counted by the error handler): nothing to pack.
             self.stats.add("empty_pack")
             raise SkipSample("empty pack: every member failed in postencode_sample")
-        start = time.perf_counter_ns()
-        packed = self.build_pack(samples)
-        self.stats.add("build_ns", time.perf_counter_ns() - start)
-        keys = [s.__key__ for s in samples]
-        self._check_pack_length(packed, samples, keys)
+        with self.stats.timed("build_ns"):
+            packed = self.build_pack(samples)
+        capacity = self.config.capacity
+        check_pack_length(type(self).__name__, packed, samples, capacity, self.pack_length)
         self.stats.add("packed", len(samples))
         self.stats.add("packs")
-        return SftPack(
-            __key__=",".join(keys),
-            __restore_key__=(),
-            __sources__=tuple(src for s in samples for src in (s.__sources__ or ())),
-            packed=packed,
-            sample_keys=keys,
-            num_tokens=int(sum(s.num_tokens for s in samples)),
-            capacity=self.config.capacity,
-        )
-
-    def _check_oversize_reached_packing(
-        self, samples: Sequence[EncodedConversation], lengths: np.ndarray
-    ) -> None:
-        """Stop the job on a sample longer than ``capacity`` in the packing buffer: the
-        oversize check of `check_policy` was bypassed (an override that does not call
-        ``super().check_policy``), and the packer would fail the whole buffer, good samples
-        with it, every time such a sample comes. Fatal: no buffer would be safe."""
-        over = np.flatnonzero(lengths > self.config.capacity)
-        if not over.size:
-            return
-        i = int(over[0])
-        err = EnergonConfigError(
-            f"sample {samples[i].__key__!r} reached packing with pack_length "
-            f"{int(lengths[i])} > capacity {self.config.capacity}: check_policy must refuse "
-            f"such samples (an override must call super().check_policy)"
-        )
-        raise FatalSampleError(str(err)) from err
-
-    def _check_pack_length(
-        self, packed: Any, samples: Sequence[EncodedConversation], keys: list[str]
-    ) -> None:
-        """Stop the job on a pack longer than ``capacity``: `pack_length`, `plan_packs` and
-        `build_pack` disagree (a subclass), and ``micro_batch(pad_to_length=capacity *
-        batch_size)`` would fail on it. Fatal: every buffer would fail the same way."""
-        length = len(packed.input_ids)
-        capacity = self.config.capacity
-        if length <= capacity:
-            return
-        planned = sum(self.pack_length(s) for s in samples)
-        err = EnergonConfigError(
-            f"{type(self).__name__} built a pack of {length} positions from samples "
-            f"{keys} (planned: {planned}), over capacity {capacity}: pack_length must be the "
-            f"positions build_pack gives each sample (padding included), and plan_packs must "
-            f"keep each pack's pack_length total within the capacity"
-        )
-        raise FatalSampleError(str(err)) from err
+        return SftPack.of(samples, packed, capacity)
 
     @stateless
     def batch(self, samples: list[Any]) -> SftBatch:
         # without packing the members of a padded batch share the cache instead of a pack's
         self._pack_media.clear()
         if samples and isinstance(samples[0], SftPack):
-            keys = [k for p in samples for k in p.sample_keys]
-            return SftBatch(
-                __key__=[p.__key__ for p in samples],
-                __restore_key__=(),
-                __sources__=tuple(src for p in samples for src in (p.__sources__ or ())),
-                sample_keys=keys,
-                num_tokens=sum(p.num_tokens for p in samples),
-                token_slots=sum(p.capacity for p in samples),
-                packs=[p.packed for p in samples],
-            )
-        start = time.perf_counter_ns()
-        padded = self.build_padded(samples)
-        self.stats.add("build_ns", time.perf_counter_ns() - start)
+            return SftBatch.of_packs(samples)
+        with self.stats.timed("build_ns"):
+            padded = self.build_padded(samples)
         self.stats.add("padded", len(samples))
-        return SftBatch(
-            __key__=[s.__key__ for s in samples],
-            __restore_key__=(),
-            __sources__=tuple(src for s in samples for src in (s.__sources__ or ())),
-            sample_keys=[s.__key__ for s in samples],
-            num_tokens=sum(s.num_tokens for s in samples),
-            token_slots=int(padded.input_ids.numel()),
-            padded=padded,
-        )
+        return SftBatch.of_padded(samples, padded)

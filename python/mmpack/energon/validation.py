@@ -17,7 +17,7 @@ from typing import Any
 from mmpack.batch import templates
 from mmpack.energon.markup import special_token_ids
 from mmpack.energon.media import MediaSettings
-from mmpack.energon.processors import ModelProcessor
+from mmpack.energon.processors import ModelProcessor, is_model_processor
 from mmpack.errors import EnergonConfigError, ModalityConfigError
 
 __all__ = [
@@ -26,6 +26,7 @@ __all__ = [
     "check_optional_dependencies",
     "resolve_conversation_format",
     "resolve_media_settings",
+    "resolve_processor",
 ]
 
 #: setting -> (description, accepted names on the processor or its image processor /
@@ -90,6 +91,26 @@ def check_model_processor(processor: ModelProcessor, modalities: Iterable[str]) 
     processor.check_modalities(modalities)
     check_optional_dependencies(modalities)
     processor.probe(modalities)
+
+
+def resolve_processor(
+    processor: Any, modalities: Iterable[str], *, media_capacity: int | None
+) -> tuple[ModelProcessor | None, MediaSettings]:
+    """The media side of a task encoder's `processor`: a model's Hugging Face processor becomes
+    a `ModelProcessor`, checked and probed (`check_model_processor`; with `media_capacity`, its
+    family must have a media unit rule), with default media settings; anything else (an object
+    or mapping of patchifier settings, or None) gives no model processor and the settings read
+    from it (`resolve_media_settings`), whose modalities' dependencies must be importable."""
+    modalities = tuple(modalities)
+    if is_model_processor(processor):
+        model_processor = ModelProcessor(processor)
+        check_model_processor(model_processor, modalities)
+        if media_capacity is not None:
+            model_processor.require_unit_rule()
+        return model_processor, MediaSettings()
+    settings = resolve_media_settings(processor, modalities)
+    check_optional_dependencies(modalities)
+    return None, settings
 
 
 def resolve_conversation_format(
