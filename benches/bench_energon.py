@@ -1,9 +1,10 @@
 """The Energon SFT pipeline benchmark: the `mmpack_dev demo sft` job, side by side in one run.
 
 Rows: the real Megatron-Energon loader over a synthetic multimodal SFT dataset (both source
-formats) with (1) mmpack packing + the native batch builder, (2) the same pipeline with the
-plain-Python reference packer and builder (``tests/reference/energon.py``, passed to the demo
-with ``--compare-with``), (3) the same loader without packing. Columns:
+formats) with (1) mmpack packing + the native batch builder, (2) the plain-Python reference task
+encoder on the same loader (``tests/reference/energon.py``: NeMo-RL's packer, the torch batch
+builder, no mmpack code; passed to the demo with ``--compare-with``), (3) the same loader without
+packing. Columns:
 samples/s, tokens/s, token fill, time to first batch, and the time spent inside the packer and
 the batch builder per sample (measured in the loader workers). Each pipeline runs
 ``--repeats`` interleaved rounds and reports its best.

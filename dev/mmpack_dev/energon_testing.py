@@ -13,7 +13,26 @@ from typing import Any
 
 from megatron.energon import WorkerConfig
 
-__all__ = ["active_worker", "batch_digest", "media_rows", "pack_digest"]
+__all__ = [
+    "PACK_FIELDS",
+    "active_worker",
+    "batch_digest",
+    "batch_view",
+    "media_rows",
+    "pack_digest",
+    "pack_view",
+]
+
+#: The tensor fields of a THD pack, by name.
+PACK_FIELDS = (
+    "input_ids",
+    "labels",
+    "loss_mask",
+    "token_mask",
+    "position_ids",
+    "cu_seqlens",
+    "cu_seqlens_padded",
+)
 
 
 @contextlib.contextmanager
@@ -65,6 +84,42 @@ def pack_digest(pack: Any) -> tuple[Any, ...]:
         tuple(pack.sample_ids),
         *(_tensor_list(getattr(pack, f.name)) for f in THD_FIELDS),
         tuple(media),
+    )
+
+
+def _tensor_view(t: Any) -> Any:
+    return None if t is None else (str(t.dtype), tuple(t.shape), t.tolist())
+
+
+def pack_view(pack: Any) -> tuple[Any, ...]:
+    """What the trainer sees in one pack, as plain Python values, for comparing packs built by
+    different implementations (mmpack's `PackedBatch`, the reference's): the sample ids, each
+    tensor field (dtype, shape, values), ``max_seqlen`` and, per media key, the physical
+    segments, the rows' segment indices and the materialized tensor. Provenance is left out:
+    each implementation mints its own; what it must agree on is which segments are shared."""
+    media = []
+    for key in sorted(pack.media):
+        value = pack.media[key]
+        media.append(
+            (
+                key,
+                [_tensor_view(t) for t in value.tensors],
+                None if value._row_offsets is None else list(value._row_offsets),
+                None if value._segment_indices is None else list(value._segment_indices),
+                _tensor_view(value.as_tensor()),
+            )
+        )
+    fields = tuple((name, _tensor_view(getattr(pack, name))) for name in PACK_FIELDS)
+    return (tuple(pack.sample_ids), fields, int(pack.max_seqlen), tuple(media))
+
+
+def batch_view(batch: Any) -> tuple[Any, ...]:
+    """`pack_view` of every pack of a batch of packs, with its sample keys and counts."""
+    return (
+        tuple(batch.sample_keys),
+        int(batch.num_tokens),
+        int(batch.token_slots),
+        tuple(pack_view(p) for p in batch.packs),
     )
 
 

@@ -24,6 +24,7 @@ from mmpack.errors import (
     MmpackError,
 )
 from reference import batch as ref_batch
+from reference import errors as ref_errors
 from reference.packed_tensor import PackedTensor as RefPackedTensor
 
 # The worked example of the mmpack.batch docstring: 2 turns, 1 image, 7 tokens, 3 of them the
@@ -145,7 +146,7 @@ def test_context_parallel_padding(cp: int, pad: int, multiple: int) -> None:
 def test_empty_list_is_a_typed_error() -> None:
     with pytest.raises(EmptySampleError, match="at least one sample"):
         pack_samples([])
-    with pytest.raises(EmptySampleError):
+    with pytest.raises(ref_errors.EmptySampleError):
         ref_batch.pack_samples([])
 
 

@@ -11,10 +11,13 @@ import numpy as np
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from mmpack import PackedTensor
 from mmpack.batch import EncodedSample, PackedBatch, micro_batch, pack_samples
 from mmpack.batch.padded import PaddedBatch, pad_samples
 from mmpack.errors import BatchLayoutError, MmpackError
 from reference import batch as ref_batch
+from reference.errors import ReferenceInputError
+from reference.packed_tensor import PackedTensor as RefPackedTensor
 
 ROLES = ["system", "user", "assistant", "tool"]
 
@@ -154,7 +157,8 @@ def test_micro_batch_equals_reference_and_one_big_pack(data: st.DataObject) -> N
         _resolve(room, flat, padded=False)
         layout["pad_to_length"] = room["pad_to_length"]
     got = micro_batch(packs, **layout)  # type: ignore[arg-type]
-    want = ref_batch.micro_batch(packs, **layout)  # type: ignore[arg-type]
+    ref_packs = [ref_batch.pack_samples(ps, **opts) for ps in packs_samples]  # type: ignore[arg-type]
+    want = ref_batch.micro_batch(ref_packs, **layout)  # type: ignore[arg-type]
     for name in FIELDS:
         assert torch.equal(getattr(got, name), getattr(want, name)), name
     assert got.max_seqlen == want.max_seqlen and got.sample_ids == want.sample_ids
@@ -205,10 +209,76 @@ def test_native_and_reference_fail_alike(data: st.DataObject) -> None:
         (pad_samples, ref_batch.pad_samples) if padded else (pack_samples, ref_batch.pack_samples)
     )
     outcome = []
-    for build in builders:
+    for build, errors in zip(builders, (MmpackError, ReferenceInputError), strict=True):
         try:
             build(batch, **opts)  # type: ignore[operator]
             outcome.append(None)
-        except MmpackError as e:
-            outcome.append(type(e))
+        except errors as e:  # the same kind of failure: classes of the same name
+            outcome.append(type(e).__name__)
     assert outcome[0] == outcome[1]
+
+
+# ---- media: the same items joined by mmpack's PackedTensor and by NeMo-RL's (the reference)
+
+POOL = [torch.full((k + 1, 3), float(k)) for k in range(5)]
+
+
+def _media_value(cls: type, items: list[int]) -> object:
+    """One sample's media row over `POOL` items (one provenance per item), built in `cls`."""
+    if not items:
+        return cls([], 0, _row_offsets=[0, 0], _segment_indices=[], _segment_provenance=[])
+    parts = [cls([POOL[i]], 0, _segment_provenance=[bytes([i + 1]) * 16]) for i in items]
+    return cls.merge_segments(parts)
+
+
+def _with_media(batch: list[EncodedSample], media: list[list[int] | None], cls: type) -> list:
+    """The samples of `batch` with the media `media` (None: no media key) in `cls`, as
+    mmpack's `EncodedSample` (mmpack's class) or the reference's (the reference's class)."""
+    make = EncodedSample if cls is PackedTensor else ref_batch.EncodedSample
+    return [
+        make(
+            s.sample_id,
+            s.token_ids,
+            loss_mask=s.loss_mask,
+            message_lengths=s.message_lengths,
+            message_roles=s.message_roles,
+            media=None if items is None else {"pixel_values": _media_value(cls, items)},
+        )
+        for s, items in zip(batch, media, strict=True)
+    ]
+
+
+def _media_view(media: dict[str, object]) -> dict[str, object]:
+    """What the model reads of each media key, as plain data: the materialized tensor, the
+    physical segments and which of them each row references (provenance left out)."""
+    out = {}
+    for key, value in media.items():
+        whole = value.as_tensor()  # type: ignore[attr-defined]
+        out[key] = (
+            None if whole is None else whole.tolist(),
+            [t.tolist() for t in value.tensors],  # type: ignore[attr-defined]
+            value._row_offsets,  # type: ignore[attr-defined]
+            value._segment_indices,  # type: ignore[attr-defined]
+        )
+    return out
+
+
+@given(st.data())
+def test_media_joins_equal_the_reference(data: st.DataObject) -> None:
+    batch = data.draw(st.lists(samples(allow_bad=False), min_size=1, max_size=5))
+    items = st.none() | st.lists(st.integers(0, len(POOL) - 1), max_size=3)
+    media = data.draw(st.lists(items, min_size=len(batch), max_size=len(batch)))
+    mine = _with_media(batch, media, PackedTensor)
+    theirs = _with_media(batch, media, RefPackedTensor)
+    opts = {"loss_mask_mode": "precomputed", "pad_to_multiple_of": 2}
+    got, want = pack_samples(mine, **opts), ref_batch.pack_samples(theirs, **opts)  # type: ignore[arg-type]
+    assert _media_view(got.media) == _media_view(want.media)
+    rows, ref_rows = pad_samples(mine, **opts), ref_batch.pad_samples(theirs, **opts)  # type: ignore[arg-type]
+    assert _media_view(rows.media) == _media_view(ref_rows.media)
+    cut = data.draw(st.integers(1, len(batch)))
+    step = micro_batch([pack_samples(mine[:cut], **opts), got], pad_to_multiple_of=2)  # type: ignore[arg-type]
+    ref_step = ref_batch.micro_batch(
+        [ref_batch.pack_samples(theirs[:cut], **opts), want],  # type: ignore[arg-type]
+        pad_to_multiple_of=2,
+    )
+    assert _media_view(step.media) == _media_view(ref_step.media)

@@ -741,6 +741,7 @@ def test_uninstall_gives_nemo_rls_class_back_to_nemo_rl_modules_imported_meanwhi
 
 def test_installs_and_uninstalls_from_many_threads_leave_nothing_behind() -> None:
     import threading
+    from concurrent.futures import ThreadPoolExecutor
 
     with installed_standins():
         batched = sys.modules["nemo_rl.distributed.batched_data_dict"]
@@ -748,17 +749,17 @@ def test_installs_and_uninstalls_from_many_threads_leave_nothing_behind() -> Non
         torchs = torch.Tensor.__dict__["__reduce_ex__"]
         start = threading.Barrier(8)
 
-        def churn() -> None:
-            start.wait()
+        def churn() -> int:
+            start.wait(timeout=30)
             for _ in range(20):
                 compat.install(accelerate=True)
                 compat.uninstall()
+            return 20
 
-        threads = [threading.Thread(target=churn) for _ in range(8)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
+        with ThreadPoolExecutor(8) as pool:
+            futures = [pool.submit(churn) for _ in range(8)]
+        # every thread ran to the end: an error in one is raised here, not lost
+        assert [f.result() for f in futures] == [20] * 8
         assert compat.installed() is None
         assert dict(vars(batched.BatchedDataDict)) == plain
         assert torch.Tensor.__dict__["__reduce_ex__"] is torchs

@@ -100,7 +100,7 @@ def test_demo_rejects_bad_options(capsys: pytest.CaptureFixture[str]) -> None:
     assert demo.main(["--compare-with", "reference.energon"]) == 2
     assert "--compare-with takes MODULE:ATTR" in capsys.readouterr().err
     assert demo.main(["--compare-with", "reference.energon:reference_pack"]) == 2
-    assert "expected a PackingTaskEncoder subclass" in capsys.readouterr().err
+    assert "expected an Energon TaskEncoder subclass" in capsys.readouterr().err
 
 
 def test_bench_energon_quick_smoke(tmp_path: Path) -> None:

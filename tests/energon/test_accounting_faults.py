@@ -20,7 +20,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import re
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -292,10 +291,6 @@ def test_worker_count_does_not_change_the_accounting(runs: Any) -> None:
     # which good samples share a pack with a failing one depends on the per-worker buffers;
     # everything else is delivered by both runs
     assert len(d0) + s0["failed"] == len(d2) + s2["failed"]
-
-
-def test_dataset_files_exist(dataset: Any) -> None:
-    assert Path(dataset.metadataset).exists()
 
 
 def test_failure_reasons_are_shared_across_forked_workers() -> None:

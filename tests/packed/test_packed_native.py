@@ -497,18 +497,21 @@ def test_forked_child_mints_other_ids() -> None:
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:  # child: mint, report, exit without running pytest's teardown
+        code = 1
         try:
             from mmpack._native import PackedLayout
 
             os.write(w, b"".join(PackedLayout.mint(64)))
+            code = 0
         finally:
-            os._exit(0)
+            os._exit(code)
     os.close(w)
     child = b""
     while chunk := os.read(r, 4096):
         child += chunk
     os.close(r)
-    os.waitpid(pid, 0)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, f"the child ended with {status}"
     mine = b"".join(P([t(0)] * 64, 0).enable_deduplication()._segment_provenance or [])
     child_ids = {child[i : i + 16] for i in range(0, len(child), 16)}
     mine_ids = {mine[i : i + 16] for i in range(0, len(mine), 16)}

@@ -288,17 +288,21 @@ def test_lengths_rewritten_by_another_thread_during_pack_are_never_read() -> Non
     # The core packs with the GIL released: it must work on its own copy of the lengths, so a
     # thread rewriting the caller's array cannot turn checked values into unchecked ones.
     import threading
+    from concurrent.futures import ThreadPoolExecutor
 
     arr = np.full(2_000_000, 3, dtype=np.int64)
     stop = threading.Event()
 
-    def scribble() -> None:
+    def scribble() -> int:
+        rounds = 0
         while not stop.is_set():
             arr[:] = 10**12
             arr[:] = 3
+            rounds += 1
+        return rounds
 
-    t = threading.Thread(target=scribble)
-    t.start()
+    pool = ThreadPoolExecutor(1)
+    scribbler = pool.submit(scribble)
     try:
         for algorithm in ("best_fit_decreasing", "first_fit_decreasing"):
             arr[:] = 3
@@ -310,4 +314,5 @@ def test_lengths_rewritten_by_another_thread_during_pack_are_never_read() -> Non
             assert p.bin_loads.size == 0 or int(p.bin_loads.max()) <= 100
     finally:
         stop.set()
-        t.join()
+        pool.shutdown()
+    scribbler.result(timeout=0)  # the scribbler's own error, if it had one, fails the test

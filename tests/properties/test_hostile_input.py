@@ -860,14 +860,12 @@ def test_frames_are_judged_by_the_package_directory(tmp_path: Path) -> None:
     assert _is_package_file(str(PACKAGE_DIR / "packed.py"))
     assert not _is_package_file(__file__)
     assert not _is_package_file(str(tmp_path / "mmpack" / "tests" / "test_x.py"))
-    try:
+    with pytest.raises(MmpackError) as inside:
         PackedTensor([torch.ones(1)], 0, _row_offsets=[0, 2], _segment_indices=[0])
-    except MmpackError as exc:
-        assert _in_mmpack(exc)
-    try:
+    assert _in_mmpack(inside.value)
+    with pytest.raises(ValueError, match="raised here") as outside:
         raise ValueError("raised here")
-    except ValueError as exc:
-        assert not _in_mmpack(exc)
+    assert not _in_mmpack(outside.value)
 
 
 @pytest.mark.parametrize("name", sorted(PICKLES))

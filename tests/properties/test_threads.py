@@ -1,7 +1,8 @@
 """Threads: mmpack used from 8 threads at once on shared inputs gives what one
-thread gives, and long native calls release the GIL, so two of them overlap in time.
+thread gives, and long native calls release the GIL, two of them at once too.
 
-No timing assertion: the overlap test checks *when* things happened (timestamps), not how fast.
+No timing assertion: the GIL tests check *when* things happened (timestamps), not how fast, and
+no sleep stands in for synchronization (events and barriers do).
 """
 
 from __future__ import annotations
@@ -151,18 +152,32 @@ def test_concurrent_materialization_of_one_value() -> None:
 
 
 class _Ticker(threading.Thread):
-    """A pure-Python thread that records a timestamp about every millisecond. It needs the GIL
-    for each tick, so ticks in the middle of a native call prove that call released it."""
+    """A pure-Python thread that counts and timestamps its turns without ever sleeping, so it
+    always wants the GIL: turns taken in the middle of a native call prove that call released
+    it (a call that held it would leave none there). Scheduling decides how many turns it gets,
+    never whether a held GIL lets it in, so a test retries a run that got none, and a call that
+    holds the GIL fails every try."""
 
     def __init__(self) -> None:
         super().__init__(daemon=True)
         self.ticks: list[float] = []
+        self.running = threading.Event()
         self.stop = threading.Event()
 
     def run(self) -> None:
         while not self.stop.is_set():
             self.ticks.append(time.perf_counter())
-            time.sleep(0.001)
+            self.running.set()
+
+    def __enter__(self) -> _Ticker:
+        self.start()
+        assert self.running.wait(timeout=30), "the ticker never ran"
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop.set()
+        self.join(timeout=30)
+        assert not self.is_alive()
 
 
 def _timed(fn: Callable[[], Any]) -> tuple[float, float]:
@@ -177,6 +192,9 @@ def _ticks_in_middle(ticks: list[float], span: tuple[float, float]) -> int:
     return sum(1 for t in ticks if a + third < t < b - third)
 
 
+#: runs of a GIL test before it fails: a run whose ticker was never scheduled in the middle of
+#: the call says nothing; a call that holds the GIL leaves no tick there in any run
+TRIES = 3
 LONG_N = 3_000_000
 
 
@@ -189,32 +207,26 @@ def _long_pack(lengths: np.ndarray) -> None:
     packing.pack(lengths, 8192, algorithm="first_fit_decreasing")
 
 
-def test_two_long_native_calls_overlap_in_time(long_lengths: np.ndarray) -> None:
-    """Two threads each run one long ``pack``; a third, pure-Python thread keeps ticking. The
-    ticker runs in the middle third of both calls (so both released the GIL), and the two
-    calls' [start, end] intervals intersect for most of the shorter one."""
-    ticker = _Ticker()
-    barrier = threading.Barrier(2)
-    spans: dict[str, tuple[float, float]] = {}
+def test_two_long_native_calls_both_release_the_gil(long_lengths: np.ndarray) -> None:
+    """Two threads each run one long ``pack`` at once; a third, pure-Python thread keeps
+    ticking, and ticks in the middle third of both calls (so both released the GIL while the
+    other thread was running too). The workers' results are collected, so an error in either
+    fails the test."""
+    for _ in range(TRIES):
+        barrier = threading.Barrier(2)
 
-    def worker(name: str) -> None:
-        barrier.wait()
-        spans[name] = _timed(lambda: _long_pack(long_lengths))
+        def worker(barrier: threading.Barrier) -> tuple[float, float]:
+            barrier.wait(timeout=30)
+            return _timed(lambda: _long_pack(long_lengths))
 
-    threads = [threading.Thread(target=worker, args=(n,)) for n in ("a", "b")]
-    ticker.start()
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    ticker.stop.set()
-    ticker.join()
-    a, b = spans["a"], spans["b"]
-    assert _ticks_in_middle(ticker.ticks, a) > 0, "the GIL was held during call a"
-    assert _ticks_in_middle(ticker.ticks, b) > 0, "the GIL was held during call b"
-    overlap = min(a[1], b[1]) - max(a[0], b[0])
-    shorter = min(a[1] - a[0], b[1] - b[0])
-    assert overlap > 0.5 * shorter, (a, b)
+        with _Ticker() as ticker, ThreadPoolExecutor(2) as pool:
+            futures = [pool.submit(worker, barrier) for _ in range(2)]
+            a, b = (f.result(timeout=120) for f in futures)
+        counts = [_ticks_in_middle(ticker.ticks, span) for span in (a, b)]
+        if all(counts):
+            break
+    assert counts[0] > 0, f"the GIL was held during call a {a} in {TRIES} tries"
+    assert counts[1] > 0, f"the GIL was held during call b {b} in {TRIES} tries"
 
 
 @pytest.mark.parametrize(
@@ -243,10 +255,9 @@ def test_long_native_calls_let_python_threads_run(name: str, long_lengths: np.nd
             [EncodedSample("s", tokens, loss_mask=mask)], loss_mask_mode="precomputed"
         ),
     }
-    ticker = _Ticker()
-    ticker.start()
-    time.sleep(0.005)
-    span = _timed(calls[name])
-    ticker.stop.set()
-    ticker.join()
+    for _ in range(TRIES):
+        with _Ticker() as ticker:
+            span = _timed(calls[name])
+        if _ticks_in_middle(ticker.ticks, span):
+            break
     assert _ticks_in_middle(ticker.ticks, span) > 0, f"{name} held the GIL for {span}"

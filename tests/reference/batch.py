@@ -2,32 +2,139 @@
 over samples with per-sample torch calls (mask, pad, shift, arange, cat).
 
 The oracle for ``mmpack.batch.pack_samples`` / ``micro_batch`` and
-``mmpack.batch.padded.pad_samples``, and their benchmark baseline: same fields, errors (same
-exception classes) and media joins. ``consistent`` states the rules every batch's fields obey,
-the plain way, for the property tests of the native checks.
+``mmpack.batch.padded.pad_samples``, and their benchmark baseline: the same fields (plain
+dataclasses `PackedBatch` / `PaddedBatch` of torch tensors), errors of the same kinds
+(`reference.errors`, compared by class name) and media joins, done with NeMo-RL's
+``PackedTensor`` (`reference.packed_tensor`): a pack's media is each key's values merged with
+``merge_segments`` in sample order. Samples are read by attribute (``sample_id``,
+``token_ids``, ``loss_mask``, ``message_lengths``, ``message_roles``, ``media``), so any object
+with those attributes is one; `EncodedSample` is the plain one. ``consistent`` states the rules
+every batch's fields obey, the plain way, for the property tests of the native checks.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from mmpack.batch import EncodedSample, PackedBatch, merge_media
-from mmpack.batch.padded import PaddedBatch
-from mmpack.errors import (
+
+from reference import masks as ref_masks
+from reference.errors import (
     BatchLayoutError,
     BatchOptionError,
     EmptySampleError,
     InvalidTokenError,
     MissingFieldError,
 )
+from reference.packed_tensor import PackedTensor
 
-from reference import masks as ref_masks
+__all__ = [
+    "PACKED_FIELDS",
+    "PADDED_FIELDS",
+    "EncodedSample",
+    "PackedBatch",
+    "PaddedBatch",
+    "consistent",
+    "merge_media",
+    "micro_batch",
+    "pack_samples",
+    "pad_samples",
+]
 
-__all__ = ["consistent", "micro_batch", "pack_samples", "pad_samples"]
+#: The tensor fields of a pack, and of padded rows.
+PACKED_FIELDS = (
+    "input_ids",
+    "labels",
+    "loss_mask",
+    "token_mask",
+    "position_ids",
+    "cu_seqlens",
+    "cu_seqlens_padded",
+)
+PADDED_FIELDS = (
+    "input_ids",
+    "labels",
+    "loss_mask",
+    "token_mask",
+    "position_ids",
+    "attention_mask",
+    "lengths",
+)
+
+
+@dataclasses.dataclass
+class EncodedSample:
+    """One tokenized sample: ``token_ids``; ``loss_mask`` (one 0/1 per token) for
+    ``loss_mask_mode="precomputed"``; ``message_lengths`` / ``message_roles`` for masks from
+    roles; ``media``: per key, a `reference.packed_tensor.PackedTensor` of this sample's media."""
+
+    sample_id: Hashable
+    token_ids: Any
+    loss_mask: Any = None
+    message_lengths: Any = None
+    message_roles: Sequence[str] | None = None
+    media: dict[str, PackedTensor] | None = None
+
+
+@dataclasses.dataclass
+class PackedBatch:
+    """A THD pack (or micro-batch): one row of ``T`` positions holding the samples in order."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    loss_mask: torch.Tensor
+    token_mask: torch.Tensor
+    position_ids: torch.Tensor
+    cu_seqlens: torch.Tensor
+    cu_seqlens_padded: torch.Tensor
+    max_seqlen: int
+    sample_ids: list[Any]
+    media: dict[str, PackedTensor]
+    pad_token_id: int
+    ignore_index: int
+
+
+@dataclasses.dataclass
+class PaddedBatch:
+    """Padded rows ``[B, L]``, one sample per row."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor
+    loss_mask: torch.Tensor
+    token_mask: torch.Tensor
+    position_ids: torch.Tensor
+    attention_mask: torch.Tensor
+    lengths: torch.Tensor
+    sample_ids: list[Any]
+    media: dict[str, PackedTensor]
+    pad_token_id: int
+    ignore_index: int
+
+
+def _media_values(owners: Sequence[Any], media: Sequence[dict[str, Any] | None]) -> dict[str, list]:
+    """Per key, the values of the owners (samples or packs) that have it, in order; each must
+    be a reference ``PackedTensor``."""
+    out: dict[str, list[PackedTensor]] = {}
+    for owner, values in zip(owners, media, strict=True):
+        for key, value in (values or {}).items():
+            if not isinstance(value, PackedTensor):
+                raise TypeError(
+                    f"media key {key!r} of {owner!r} is a {type(value).__name__}; the reference "
+                    "builders join reference PackedTensors (reference.packed_tensor)"
+                )
+            out.setdefault(key, []).append(value)
+    return out
+
+
+def merge_media(samples: Sequence[Any]) -> dict[str, PackedTensor]:
+    """Per key, the samples' media merged with ``PackedTensor.merge_segments``, in sample order;
+    samples without the key contribute nothing."""
+    values = _media_values([s.sample_id for s in samples], [s.media for s in samples])
+    return {key: PackedTensor.merge_segments(v) for key, v in values.items()}
 
 
 def _name(sample_id) -> str:
@@ -60,7 +167,7 @@ def _check_options(samples, loss_mask_mode, pad_token_id, multiple, pad_to_lengt
         raise EmptySampleError("a batch needs at least one sample, got none")
 
 
-def _tokens_and_mask(s: EncodedSample, loss_mask_mode, train_roles) -> tuple[Any, Any]:
+def _tokens_and_mask(s: Any, loss_mask_mode, train_roles) -> tuple[Any, Any]:
     """A sample's int64 tokens and bool trainable flags, checked as the builders check them."""
     tokens = torch.as_tensor(s.token_ids).long()
     n = tokens.numel()
@@ -108,7 +215,7 @@ def _check_ignore_index(ignore_index: int, token_lists) -> None:
 
 
 def pack_samples(
-    samples: Sequence[EncodedSample],
+    samples: Sequence[Any],
     *,
     loss_mask_mode: str | None = None,
     train_roles: Sequence[str] = ("assistant",),
@@ -149,7 +256,7 @@ def pack_samples(
 
 
 def pad_samples(
-    samples: Sequence[EncodedSample],
+    samples: Sequence[Any],
     *,
     loss_mask_mode: str | None = None,
     train_roles: Sequence[str] = ("assistant",),
@@ -173,16 +280,13 @@ def pad_samples(
         rows.append(_fields(tokens, mask, width, pad_token_id, ignore_index))
     _check_ignore_index(ignore_index, tokens_seen)
     lengths = torch.tensor([len(s.token_ids) for s in samples], dtype=torch.int64)
-    media: dict[str, Any] = {}
-    for s in samples:
-        for key, value in (s.media or {}).items():
-            media.setdefault(key, []).append(value)
+    media = _media_values([s.sample_id for s in samples], [s.media for s in samples])
     return PaddedBatch(
         **{k: torch.stack([r[k] for r in rows]) for k in rows[0]},
         attention_mask=torch.arange(width)[None, :] < lengths[:, None],
         lengths=lengths,
         sample_ids=[s.sample_id for s in samples],
-        media={k: type(v[0]).concat(v) for k, v in media.items()},
+        media={k: PackedTensor.concat(v) for k, v in media.items()},
         pad_token_id=pad_token_id,
         ignore_index=ignore_index,
     )
@@ -206,7 +310,7 @@ def micro_batch(
             raise BatchLayoutError("a pack is not padded to the micro-batch's multiple")
     lens = torch.cat([torch.diff(p.cu_seqlens) for p in packs])
     widths = torch.cat([torch.diff(p.cu_seqlens_padded) for p in packs])
-    fields = {k: torch.cat([getattr(p, k) for p in packs]) for k in PackedBatch._TENSOR_FIELDS}
+    fields = {k: torch.cat([getattr(p, k) for p in packs]) for k in PACKED_FIELDS}
     if pad_to_length is not None:
         extra = pad_to_length - int(widths.sum())
         if pad_to_length % multiple or extra < 0:
@@ -219,17 +323,14 @@ def micro_batch(
         fields["token_mask"] = F.pad(fields["token_mask"], (0, extra), value=False)
         tail = torch.arange(last, last + extra, dtype=torch.long)
         fields["position_ids"] = torch.cat([fields["position_ids"], tail])
-    media: dict[str, Any] = {}
-    for p in packs:
-        for key, value in p.media.items():
-            media.setdefault(key, []).append(value)
+    media = _media_values([f"pack {i}" for i in range(len(packs))], [p.media for p in packs])
     return PackedBatch(
         **{k: v for k, v in fields.items() if not k.startswith("cu_")},
         cu_seqlens=F.pad(torch.cumsum(lens, 0), (1, 0)).to(torch.int32),
         cu_seqlens_padded=F.pad(torch.cumsum(widths, 0), (1, 0)).to(torch.int32),
         max_seqlen=int(widths.max()),
         sample_ids=[sid for p in packs for sid in p.sample_ids],
-        media={k: type(v[0]).merge_segments(v) for k, v in media.items()},
+        media={k: PackedTensor.merge_segments(v) for k, v in media.items()},
         pad_token_id=pad,
         ignore_index=ignore,
     )

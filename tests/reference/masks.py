@@ -1,8 +1,8 @@
 """Plain-Python/torch loss-mask functions, the way SFT pipelines write them today: per message
 ``torch.ones``/``torch.zeros`` and ``torch.cat``, validation with elementwise torch ops.
 
-The oracle for ``mmpack.batch.masks`` and its benchmark baseline. Same semantics and the same
-exception classes (messages may differ in wording).
+The oracle for ``mmpack.batch.masks`` and its benchmark baseline. Same semantics, and errors of
+the same kinds (`reference.errors`, compared by class name; messages may differ in wording).
 """
 
 from __future__ import annotations
@@ -11,7 +11,8 @@ from collections.abc import Hashable, Sequence
 
 import numpy as np
 import torch
-from mmpack.errors import LossMaskError, MessageSpanError, TurnStructureError
+
+from reference.errors import LossMaskError, MessageSpanError, TurnStructureError
 
 __all__ = ["from_fragments", "from_roles", "turn_spans", "validate"]
 

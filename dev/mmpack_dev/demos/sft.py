@@ -4,10 +4,10 @@
    inline media, and ``conversation[].fragments[]`` with a separate media store; images on some
    samples, a few broken and a few skippable samples) and prepares it with Energon;
 2. runs one epoch through the real Energon loader with mmpack packing (progress bar), then, with
-   ``--compare-with MODULE:ATTR``, the same pipeline with that `PackingTaskEncoder` subclass (for
-   example the plain-Python reference packer and batch builder of the test suite,
-   ``reference.energon:ReferencePackingTaskEncoder`` with ``PYTHONPATH=tests``, as ``make demo``
-   runs it), then the same loader without packing;
+   ``--compare-with MODULE:ATTR``, the same loader with that Energon task encoder (for example
+   the plain-Python reference task encoder of the test suite, which imports nothing from
+   mmpack: ``reference.energon:ReferencePackingTaskEncoder`` with ``PYTHONPATH=tests``, as ``make
+   demo`` runs it), then the same loader without packing;
 3. prints a report (samples/s, tokens/s, token fill, samples in = packed + skipped by reason +
    failed by reason, media dedup ratio, the compared pipeline and no packing side by side),
    checks that mmpack's packs equal the compared pipeline's, and writes a PNG (fill histogram and
@@ -121,8 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
         dest="compare_with",
         metavar="MODULE:ATTR",
         default=None,
-        help="a PackingTaskEncoder subclass (importable path) to run as the 'reference packing' "
-        "pipeline and compare with mmpack's pack for pack, e.g. "
+        help="an Energon TaskEncoder subclass (importable path; built as CLS(config, "
+        "tokenizer=..., processor=...), with stats.snapshot() and batches of packs) to run as "
+        "the 'reference packing' pipeline and compare with mmpack's pack for pack, e.g. "
         "reference.energon:ReferencePackingTaskEncoder with PYTHONPATH=tests (make demo passes "
         "it); without it no comparison runs",
     )
@@ -196,8 +197,18 @@ def _media_bytes(media: dict[str, Any]) -> tuple[int, int]:
     return logical, physical
 
 
+def _media_digest(media: dict[str, Any]) -> tuple[Any, ...]:
+    """Per key, the shape and sum of the materialized media (what the model reads)."""
+    out = []
+    for key in sorted(media):
+        whole = media[key].as_tensor()
+        out.append((key, None if whole is None else (tuple(whole.shape), float(whole.sum()))))
+    return tuple(out)
+
+
 def make_encoder(encoder_cls: Any, args: argparse.Namespace) -> Any:
-    """An `encoder_cls` (a `PackingTaskEncoder` class) with the demo's settings."""
+    """An `encoder_cls` (`PackingTaskEncoder`, or a compared task encoder class that takes the
+    same arguments) with the demo's settings."""
     from mmpack.energon import PackingEncoderConfig
 
     from mmpack_dev.synthetic import PATCH_SIZE, build_tokenizer
@@ -273,6 +284,7 @@ def run_pipeline(
                             int(pack.loss_mask.sum()),
                             int(pack.token_mask.sum()),
                             tuple(pack.cu_seqlens.tolist()),
+                            _media_digest(pack.media),
                         )
                     )
             else:
@@ -395,8 +407,9 @@ def main(argv: list[str]) -> int:
             file=sys.stderr,
         )
         return 2
+    from megatron.energon import TaskEncoder
     from mmpack.energon import PackingTaskEncoder
-    from mmpack.errors import EnergonConfigError, PackingArgumentError
+    from mmpack.errors import PackingArgumentError
     from mmpack.packing import algorithm_name
 
     try:
@@ -411,10 +424,10 @@ def main(argv: list[str]) -> int:
         except (ImportError, ValueError) as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
-        if not (isinstance(compared, type) and issubclass(compared, PackingTaskEncoder)):
+        if not (isinstance(compared, type) and issubclass(compared, TaskEncoder)):
             print(
-                f"error: {OPTION} {args.compare_with}: expected a PackingTaskEncoder subclass, "
-                f"got {compared!r}",
+                f"error: {OPTION} {args.compare_with}: expected an Energon TaskEncoder "
+                f"subclass, got {compared!r}",
                 file=sys.stderr,
             )
             return 2
@@ -422,7 +435,7 @@ def main(argv: list[str]) -> int:
             # built once before any run: settings it refuses would otherwise fail it after
             # the mmpack run
             make_encoder(compared, args)
-        except EnergonConfigError as err:
+        except ValueError as err:  # mmpack's EnergonConfigError, or the compared one's own
             print(
                 f"error: {OPTION} {args.compare_with} refuses these settings: {err}",
                 file=sys.stderr,
