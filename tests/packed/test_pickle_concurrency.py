@@ -12,6 +12,7 @@ import io
 import pickle
 import random
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import pytest
@@ -75,9 +76,9 @@ def test_threads_pickle_byte_identical_payloads(protocol: int) -> None:
     alone = [pickle.dumps(v, protocol=protocol) for v in values]
     assert [pickle.dumps(v, protocol=protocol) for v in values] == alone  # deterministic
     errors: list[str] = []
-    barrier = threading.Barrier(N_THREADS)
+    barrier = threading.Barrier(N_THREADS, timeout=60)
 
-    def work(seed: int) -> None:
+    def work(seed: int) -> int:
         rng = random.Random(seed)
         barrier.wait()
         for _ in range(ROUNDS):
@@ -89,12 +90,11 @@ def test_threads_pickle_byte_identical_payloads(protocol: int) -> None:
                 continue
             if data != alone[i]:
                 errors.append(f"value {i}: {len(data)} bytes, {len(alone[i])} alone")
+        return ROUNDS
 
-    threads = [threading.Thread(target=work, args=(s,)) for s in range(N_THREADS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    with ThreadPoolExecutor(N_THREADS) as pool:
+        done = [f.result() for f in [pool.submit(work, s) for s in range(N_THREADS)]]
+    assert done == [ROUNDS] * N_THREADS  # every thread ran to its end (errors re-raised)
     assert not errors, f"{len(errors)} payloads differ: {errors[:5]}"
     for data, value in zip(alone, values, strict=True):
         _check_same(pickle.loads(data), value)
@@ -106,21 +106,13 @@ def test_threads_pickle_lists_that_share_within_themselves() -> None:
     values, _ = _shared_family()
     batch = values[1:]
     alone = pickle.dumps(batch, protocol=5)
-    results: list[bytes] = []
-    lock = threading.Lock()
 
-    def work() -> None:
-        for _ in range(10):
-            data = pickle.dumps(batch, protocol=5)
-            with lock:
-                results.append(data)
+    def work() -> list[bytes]:
+        return [pickle.dumps(batch, protocol=5) for _ in range(10)]
 
-    threads = [threading.Thread(target=work) for _ in range(N_THREADS)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert set(results) == {alone}
+    with ThreadPoolExecutor(N_THREADS) as pool:
+        results = [d for f in [pool.submit(work) for _ in range(N_THREADS)] for d in f.result()]
+    assert len(results) == N_THREADS * 10 and set(results) == {alone}
     got = pickle.loads(alone)
     seen: dict[int, int] = {}
     for g, w in zip(got, batch, strict=True):
@@ -236,17 +228,20 @@ def test_pickling_state_is_per_thread_not_per_process() -> None:
     keeper: list[Any] = []
 
     def hold() -> None:
-        pk = pickle.Pickler(io.BytesIO(), protocol=5)
-        pk.dump(a)
-        keeper.append(pk)
-        started.set()
+        try:
+            pk = pickle.Pickler(io.BytesIO(), protocol=5)
+            pk.dump(a)
+            keeper.append(pk)
+        finally:
+            started.set()  # also when the dump failed: the result below re-raises it
         done.wait(10)
 
-    t = threading.Thread(target=hold)
-    t.start()
-    assert started.wait(10)
-    try:
-        assert pickle.dumps(b, protocol=5) == alone
-    finally:
-        done.set()
-        t.join()
+    with ThreadPoolExecutor(1) as pool:
+        held = pool.submit(hold)
+        assert started.wait(10)
+        try:
+            assert keeper, held.exception(timeout=10)
+            assert pickle.dumps(b, protocol=5) == alone
+        finally:
+            done.set()
+            held.result(timeout=10)

@@ -11,7 +11,6 @@ import pickle
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -345,7 +344,8 @@ def test_a_value_returned_by_an_actor_outlives_the_actor() -> None:
     ref = maker.make.remote()
     ray.wait([ref], timeout=60)
     ray.kill(maker)
-    time.sleep(2)  # the owner's death reaches the driver
+    with pytest.raises(ray.exceptions.RayActorError):  # the driver has seen the owner die
+        ray.get(maker.make.remote(), timeout=60)
     value = ray.get(ref, timeout=60)
     expected = PackedTensor([torch.full((2, 3), float(i)) for i in range(3)], 0)
     assert torch.equal(value.as_tensor(), expected.repeat_interleave(4).as_tensor())
