@@ -22,7 +22,7 @@ from typing import Any
 from mmpack.errors import UnsafePickleError
 from mmpack.safe_load import budget as cost
 from mmpack.safe_load.budget import Budget
-from mmpack.safe_load.machine import describe
+from mmpack.safe_load.describe import describe
 
 __all__ = ["NEMO_RL_MODULE", "Admitted", "storage_dtype"]
 

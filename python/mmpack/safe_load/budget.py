@@ -9,7 +9,8 @@ refunded: the total charged bounds the peak, whatever is freed on the way.
 
 The constants below are upper bounds of what CPython (64-bit, 3.10 to 3.13) allocates, measured
 with ``tracemalloc`` at the container sizes where a resize makes the old and the new table live
-together. ``mmpack.safe_load.machine`` charges them per opcode, the admitted callables
+together. The unpickler charges them per opcode (``mmpack.safe_load.machine`` and its opcode
+families ``literals``, ``containers``, ``memo`` and ``objects``), the admitted callables
 (``mmpack.safe_load.admitted``) per result, and restoring a PackedTensor state through the hook
 ``mmpack.packed.pickling.restore_charge.RESTORE_CHARGE``, which a load points at its budget.
 """

@@ -7,7 +7,8 @@ six-field one; values nested in dicts, lists and tuples) into mmpack objects, wi
 ``nemo_rl`` installed and without ``mmpack.compat.nemo_rl.install()``. Both are re-exported as
 ``mmpack.compat.nemo_rl.loads`` / ``load``.
 
-The bytes run on this package's own unpickler (``mmpack.safe_load.machine``), which charges
+The bytes run on this package's own unpickler (``mmpack.safe_load.machine``, its opcode
+handlers in ``literals``, ``containers``, ``memo`` and ``objects``), which charges
 every object each opcode creates to the load's budget before creating it, and admits only the
 globals a PackedTensor payload needs, each checked and charged (``mmpack.safe_load.admitted``;
 ``torch.save`` archives and nested storages: ``mmpack.safe_load.torch_formats``). Any other

@@ -22,7 +22,8 @@ from mmpack.errors import CorruptPickleError, UnsafePickleError
 from mmpack.safe_load import budget as cost
 from mmpack.safe_load.admitted import NOTHING, STORAGE_TYPES, Admitted, storage_dtype
 from mmpack.safe_load.budget import Budget
-from mmpack.safe_load.machine import Unpickler, describe
+from mmpack.safe_load.describe import describe
+from mmpack.safe_load.machine import Unpickler
 
 __all__ = ["ZIP_MAGIC", "load_archive", "load_storage_bytes"]
 
