@@ -28,9 +28,6 @@ MOVED: dict[str, str] = {
     "mmpack.compat.nemo_rl_packing": "mmpack.compat.nemo_rl.packing",
     "mmpack.compat.nemo_rl_batched": "mmpack.compat.nemo_rl.batched",
     "mmpack.energon.conversation": "mmpack.energon.markup",
-    "mmpack.packed.pickle_format": "mmpack.packed.pickling.format",
-    "mmpack.packed.pickle_operation": "mmpack.packed.pickling.operation",
-    "mmpack.packed.restore_charge": "mmpack.packed.pickling.restore_charge",
 }
 
 #: module -> {name: the module that holds it now}: names that moved out of a module that stays.

@@ -204,7 +204,6 @@ def test_the_class_lookup_is_seen_once_per_pickler() -> None:
     module = sys.modules["mmpack.packed"]
     assert module.PackedTensor is P is mmpack.PackedTensor
     calls: list[int] = []
-    original = operation.THREADS.pickler_started
     operation.THREADS.pickler_started = lambda: calls.append(1)  # type: ignore[method-assign]
     try:
         pickle.dumps([P([torch.ones(2)], 0) for _ in range(5)], protocol=5)
@@ -212,7 +211,7 @@ def test_the_class_lookup_is_seen_once_per_pickler() -> None:
         pickle.dumps([P([torch.ones(2)], 0) for _ in range(5)], protocol=2)
         assert len(calls) == 2
     finally:
-        operation.THREADS.pickler_started = original  # type: ignore[method-assign]
+        del operation.THREADS.pickler_started  # the class's method again, not a bound copy
     assert "PackedTensor" in dir(module) and type(module) is type(sys)  # a plain module
     assert "PackedTensor" not in vars(module)  # served by __getattr__, the lookup the signal is
 

@@ -6,6 +6,7 @@ way (value -> pickling -> ray_store), and a pickling operation's start can be fo
 from __future__ import annotations
 
 import ast
+import gc
 import pickle
 import sys
 import traceback
@@ -134,6 +135,17 @@ def test_a_plain_pickle_walks_one_way(protocol: int) -> None:
     assert torch.equal(back[1].as_tensor(), values[1].as_tensor())
 
 
+def _let_go(*held: list[Any]) -> None:
+    """Drop what a Ray test sent and received: the put table holds nothing after it (the next
+    test module on this worker starts from an empty table)."""
+    from mmpack.packed import ray_store
+
+    for items in held:
+        items.clear()
+    gc.collect()
+    assert ray_store.held_bytes() == 0
+
+
 def test_a_ray_hop_walks_one_way(ray_store_on: Any) -> None:
     ray = ray_store_on
     values = _values()
@@ -145,6 +157,7 @@ def test_a_ray_hop_walks_one_way(ray_store_on: Any) -> None:
     assert {("value", "pickling"), ("pickling", "ray_store")} <= back and _one_way(back), back
     assert got[0][1].packed_state(in_place=True).read_in_place
     assert torch.equal(got[0][1].as_tensor(), values[1].as_tensor())
+    _let_go(values, refs, got)
 
 
 def test_the_state_round_trips_through_the_surface() -> None:
@@ -213,3 +226,120 @@ def test_a_corrupt_store_chunk_is_a_layout_error() -> None:
     ):
         with pytest.raises(LayoutError, match="corrupt PackedTensor pickle"):
             chunks.decode_segments(segments)
+
+
+def test_a_chunk_member_too_large_to_allocate_is_corrupt() -> None:
+    from mmpack.packed.ray_store import chunks
+
+    empty = torch.empty(0, dtype=torch.uint8).numpy()
+    payload = (chunks.CHUNK_FORMAT, ["float32"], [(2**62, 2**62, 0)], [empty])
+    with pytest.raises(LayoutError, match="corrupt PackedTensor pickle"):
+        chunks.Chunk(None, payload)
+    ok = chunks.Chunk(None, (chunks.CHUNK_FORMAT, ["float32"], [(3, 0)], [empty]))
+    assert ok.shapes == [(3, 0)]
+
+
+@pytest.mark.parametrize("restricted", [False, True])
+def test_a_group_buffer_of_a_dtype_never_written_is_refused(restricted: bool) -> None:
+    """Groups write only the dtypes of ``BUFFER_DTYPES``: a payload naming another torch dtype
+    (quantized, float8, ...) is corrupt, not a tensor that breaks later."""
+    from mmpack.compat import nemo_rl
+
+    data = pickle.dumps(PackedTensor([torch.arange(4, dtype=torch.int32)], 0), protocol=2)
+    name = b"X\x05\x00\x00\x00int32"
+    assert data.count(name) == 1
+    bad = data.replace(name, b"X\x06\x00\x00\x00qint32")
+    load = nemo_rl.loads if restricted else pickle.loads
+    with pytest.raises(LayoutError, match="unknown dtype 'qint32'"):
+        load(bad)
+    assert torch.equal(load(data).tensors[0], torch.arange(4, dtype=torch.int32))
+
+
+def test_earlier_internal_module_paths_are_gone_not_aliased() -> None:
+    """The format's functions changed shape (``restore`` returns a state): an alias under the
+    old path would run them with the old call and fail silently."""
+    with pytest.raises(ImportError):
+        import mmpack.packed.pickle_format  # noqa: F401
+
+
+def test_raw_fields_written_into_a_values_dict_take_effect() -> None:
+    """NeMo-RL's own ``__setstate__`` is ``self.__dict__.update(state)``: the fields it writes
+    are the value's mapping, for ``as_tensor`` and for the pickle it writes."""
+    a, b = torch.zeros(2, 3), torch.ones(1, 3)
+    v = PackedTensor([a, b], 0)
+    v.__dict__.update(_row_offsets=[0, 2], _segment_indices=[1, 0], _segment_provenance=None)
+    assert len(v) == 1 and v._row_offsets == [0, 2] and v._segment_indices == [1, 0]
+    assert torch.equal(v.as_tensor(), torch.cat([b, a]))  # type: ignore[arg-type]
+    back = pickle.loads(pickle.dumps(v))
+    assert back._row_offsets == [0, 2] and torch.equal(back.as_tensor(), torch.cat([b, a]))
+    dedup = PackedTensor([a, b], 0).enable_deduplication()
+    prov = dedup._segment_provenance
+    dedup.__dict__["_row_offsets"] = [0, 1, 2]  # one field: the others are kept
+    dedup.__dict__["_segment_indices"] = [1, 1]
+    assert dedup._segment_provenance == prov and dedup._segment_indices == [1, 1]
+    assert torch.equal(dedup.as_tensor(), torch.cat([b, b]))  # type: ignore[arg-type]
+
+
+class DefaultPad(PackedTensor):
+    pad_to_max_shape = False  # a class default: an instance dict may hold three fields
+
+
+def test_extra_attributes_survive_when_the_dict_lacks_a_field() -> None:
+    s = DefaultPad.__new__(DefaultPad)
+    s.__dict__.update(tensors=[torch.ones(2, 3)], dim_to_pack=0, note="kept")
+    assert s.packed_state().extra == {"note": "kept"}
+    assert pickle.loads(pickle.dumps(s)).note == "kept"
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"extra": {"tensors": []}}, "own fields"),
+        ({"extra": {"_layout": None}}, "own fields"),
+        ({"extra": {"as_tensor": "x"}}, "would hide"),
+        ({"extra": {1: "x"}}, "not a string"),
+        ({"extra": ["x"]}, "extra must be a dict"),
+        ({"layout": "garbage"}, "must be a PackedLayout"),
+        ({"segments": None}, "segments must be a list"),
+        ({"segments": []}, "do not fit"),
+        ({"dim_to_pack": True}, "dim_to_pack must be an int"),
+        ({"pad_to_max_shape": 1}, "pad_to_max_shape must be a bool"),
+        ({"read_in_place": "yes"}, "read_in_place must be a bool"),
+    ],
+)
+def test_from_packed_state_refuses_what_no_value_can_hold(
+    change: dict[str, Any], message: str
+) -> None:
+    state = _values()[1].packed_state()
+    with pytest.raises(LayoutError, match=message):
+        PackedTensor.from_packed_state(state._replace(**change))
+
+
+def test_from_packed_state_owns_its_lists() -> None:
+    value = _values()[0]
+    value.note = "kept"  # type: ignore[attr-defined]
+    state = value.packed_state()
+    copy = PackedTensor.from_packed_state(state)
+    copy.tensors.append(None)
+    copy.note = "changed"  # type: ignore[attr-defined]
+    assert len(value.tensors) == len(state.segments) and value.note == "kept"  # type: ignore[attr-defined]
+
+
+def test_reading_sizes_of_a_received_value_keeps_it_in_place(ray_store_on: Any) -> None:
+    """The payload meter, ``csr`` and ``enable_deduplication`` need shapes only: a value read
+    in place from the store stays so, and the meter counts its bytes once."""
+    from mmpack.packed.payload import measure
+
+    ray = ray_store_on
+    sent = PackedTensor([torch.randn(64, 32) for _ in range(3)], 0)
+    ref = ray.put([sent, sent.slice([2, 1, 0])])  # two values over the same three segments
+    for look in (measure, lambda w: w[0].csr(), lambda w: w[0].enable_deduplication()):
+        got = ray.get(ref)
+        assert got[0].packed_state(in_place=True).read_in_place
+        look(got)
+        assert got[0].packed_state(in_place=True).read_in_place
+    stats = measure(ray.get(ref))
+    assert stats.physical_bytes == sent.physical_nbytes() == 3 * 64 * 32 * 4
+    assert stats.logical_bytes == 2 * stats.physical_bytes
+    del sent, ref, got, stats
+    _let_go()

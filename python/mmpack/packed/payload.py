@@ -64,8 +64,9 @@ class PayloadStats:
 
 
 def _is_packed(obj: Any) -> bool:
-    """Duck-typed ``PackedTensor`` (mmpack's, the reference one, or NeMo-RL's)."""
-    return (
+    """Duck-typed ``PackedTensor`` (mmpack's, the reference one, or NeMo-RL's); mmpack's by
+    class, so that a value read in place is not turned into private copies by the look."""
+    return isinstance(obj, PackedTensor) or (
         hasattr(obj, "iter_logical_segments")
         and hasattr(obj, "dim_to_pack")
         and isinstance(getattr(obj, "tensors", None), list)
@@ -94,9 +95,11 @@ class _Acc:
     def packed(self, value: Any) -> None:
         """One ``PackedTensor``-like value, in one native call (no per-segment Python)."""
         if isinstance(value, PackedTensor):
-            state = value.packed_state()
+            state = value.packed_state(in_place=True)  # shapes only: store views stay views
             lay = state.layout
             segments, order = state.segments, None if lay is None else lay.indices()
+            if state.read_in_place:  # a view's bytes, shared by every value of its chunk
+                segments = [getattr(s, "array", s) for s in segments]
         else:
             segments, order = value.tensors, _raw_segment_order(value)
         totals = _native.measure_segments(segments, order, self.seen, _ARRAY_TYPES)

@@ -23,7 +23,10 @@ The state:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
+
+import numpy as np
 
 from mmpack._native import LayoutError, PackedLayout
 
@@ -32,8 +35,11 @@ __all__ = [
     "RAW_FIELDS",
     "VALUE_FIELDS",
     "PackedState",
+    "check",
     "corrupt",
+    "layout_misfit",
     "private_segments",
+    "refuse_shadowing",
 ]
 
 #: The instance attributes a value's own state occupies (never part of ``extra``): the
@@ -71,6 +77,65 @@ def private_segments(segments: list[Any]) -> list[Any]:
         else:
             out.append(s)
     return out
+
+
+def refuse_shadowing(cls: type, attrs: dict[Any, Any], error: Callable[[str], Exception]) -> None:
+    """Instance attributes may not hide the class's methods or properties: restored from a
+    payload, ``{"as_tensor": OrderedDict}`` would make ``as_tensor()`` return whatever the
+    payload chose. ``error(why)`` is raised for the first offender."""
+    for key in attrs:
+        if not isinstance(key, str):
+            raise error(f"attribute name {key!r} is not a string")
+        if key in VALUE_FIELDS or key in RAW_FIELDS:
+            continue
+        if hasattr(cls, key):
+            raise error(f"attribute {key!r} would hide {cls.__name__}.{key}")
+
+
+def layout_misfit(lay: PackedLayout, n: int, indices: np.ndarray | None = None) -> str | None:
+    """Why ``lay`` cannot describe ``n`` physical segments (``None`` when it can): its
+    provenance is for another count, or its row mapping references a segment beyond them."""
+    if lay.has_provenance:
+        if lay.n_physical != n:
+            return f"its layout has provenance for {lay.n_physical} physical segments"
+        return None
+    if indices is None:
+        indices = lay.indices()
+    if indices is not None and indices.size and int(indices.max()) >= n:
+        return f"its row mapping references physical segment {int(indices.max())}"
+    return None
+
+
+def check(state: PackedState, cls: type) -> None:
+    """Refuse (``LayoutError``) a state that no value of ``cls`` can hold: segments that are
+    not a list, a layout that is not a handle or does not fit them, options of the wrong type,
+    extra attributes that are not a dict of names outside the value's fields and methods."""
+    if not isinstance(state, PackedState):
+        raise LayoutError(f"a PackedState is needed, got {type(state).__name__}")
+    segments, lay, dim, pad, extra, in_place = state
+    if not isinstance(segments, list):
+        raise LayoutError(f"segments must be a list, got {type(segments).__name__}")
+    if lay is not None:
+        if not isinstance(lay, PackedLayout):
+            raise LayoutError(f"layout must be a PackedLayout or None, got {type(lay).__name__}")
+        problem = layout_misfit(lay, len(segments))
+        if problem is not None:
+            raise LayoutError(f"{len(segments)} segments do not fit the state: {problem}")
+    if not isinstance(dim, int) or isinstance(dim, bool):
+        raise LayoutError(f"dim_to_pack must be an int, got {dim!r}")
+    if not isinstance(pad, bool):
+        raise LayoutError(f"pad_to_max_shape must be a bool, got {pad!r}")
+    if not isinstance(in_place, bool):
+        raise LayoutError(f"read_in_place must be a bool, got {in_place!r}")
+    if extra is None:
+        return
+    if not isinstance(extra, dict):
+        raise LayoutError(f"extra must be a dict or None, got {type(extra).__name__}")
+    fields = VALUE_FIELDS.union(RAW_FIELDS)
+    for key in extra:
+        if key in fields:
+            raise LayoutError(f"extra attribute {key!r} is one of the value's own fields")
+    refuse_shadowing(cls, extra, LayoutError)
 
 
 def corrupt(why: str) -> LayoutError:

@@ -23,11 +23,18 @@ from typing import Any, TypeVar
 
 from mmpack._native import PackedLayout
 from mmpack.packed.nemo_fields import layout_from_fields
-from mmpack.packed.state import RAW_FIELDS, VALUE_FIELDS, PackedState, private_segments
+from mmpack.packed.state import (
+    RAW_FIELDS,
+    VALUE_FIELDS,
+    PackedState,
+    check,
+    private_segments,
+)
 
 __all__ = ["SegmentStorage"]
 
 _S = TypeVar("_S", bound="SegmentStorage")
+_RAW = frozenset(RAW_FIELDS)
 
 
 class _Missing:
@@ -139,15 +146,23 @@ class SegmentStorage:
 
     def _lay(self) -> PackedLayout | None:
         lay = self._layout
-        if lay is _MISSING:
+        d = self.__dict__
+        # a value's own fields are four entries: more may be NeMo-RL's raw fields, written
+        # into ``__dict__`` as NeMo-RL's own ``__setstate__`` does
+        if lay is _MISSING or (len(d) > 4 and not _RAW.isdisjoint(d)):
             return self._adopt_raw()
         return lay
 
     def _adopt_raw(self) -> PackedLayout | None:
-        """Turn NeMo-RL's raw fields in ``__dict__`` (if any) into the native handle."""
+        """Turn NeMo-RL's raw fields in ``__dict__`` (if any) into the native handle; a field
+        not there keeps its current value."""
         d = self.__dict__
-        raw = [d.pop(k, None) for k in RAW_FIELDS]
-        lay = layout_from_fields(len(d.get("tensors", ())), *raw)
+        lay = d.get("_layout")
+        current: list[Any] = [None, None, None]
+        if isinstance(lay, PackedLayout):
+            current = [lay.offsets_list(), lay.indices_list(), lay.provenance_list()]
+        raw = [d.pop(k) if k in d else c for k, c in zip(RAW_FIELDS, current, strict=True)]
+        lay = layout_from_fields(len(d.get("tensors", d.get("_store", ()))), *raw)
         d["_layout"] = lay
         return lay
 
@@ -161,18 +176,19 @@ class SegmentStorage:
             segments = store
         else:
             segments = self._tensor_list() if in_place else self.tensors
-        d = self.__dict__
-        # a value's own fields are four entries: anything beyond them is an extra attribute
-        extra = {k: v for k, v in d.items() if k not in VALUE_FIELDS} if len(d) > 4 else None
+        extra = {k: v for k, v in self.__dict__.items() if k not in VALUE_FIELDS}
         return PackedState(
             segments, lay, self.dim_to_pack, self.pad_to_max_shape, extra or None, store is not None
         )
 
     @classmethod
     def from_packed_state(cls: type[_S], state: PackedState) -> _S:
-        """A value of ``state``, taken as it is: its adapter validated it."""
+        """A value of ``state`` (checked: ``LayoutError`` for one no value can hold), holding
+        its own copies of the segment list and the extra attributes."""
+        check(state, cls)
         obj = _new_object(cls)
-        obj._take_state(state)
+        extra = None if state.extra is None else dict(state.extra)
+        obj._take_state(state._replace(segments=list(state.segments), extra=extra))
         return obj
 
     def _take_state(self, state: PackedState) -> None:

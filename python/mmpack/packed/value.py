@@ -178,7 +178,7 @@ class PackedTensor(SegmentStorage):
     def enable_deduplication(self) -> PackedTensor:
         """Give every physical segment fresh provenance, in place, if it has none; idempotent."""
         lay = self._lay()
-        n = len(self.tensors)
+        n = len(self._phys())
         if lay is None:
             self._set_layout(PackedLayout.legacy_dedup(n))
         elif not lay.has_provenance:
@@ -369,7 +369,7 @@ class PackedTensor(SegmentStorage):
         if lay is not None and lay.is_csr:
             offsets, indices = lay.offsets(), lay.indices()
         else:
-            n = len(self.tensors)
+            n = len(self._phys())
             offsets, indices = np.arange(n + 1, dtype=np.int64), np.arange(n, dtype=np.int64)
         assert offsets is not None and indices is not None
         offsets.flags.writeable = indices.flags.writeable = False

@@ -54,7 +54,6 @@ from __future__ import annotations
 
 import copyreg
 import operator
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -78,7 +77,9 @@ from mmpack.packed.state import (
     VALUE_FIELDS,
     PackedState,
     corrupt,
+    layout_misfit,
     private_segments,
+    refuse_shadowing,
 )
 
 if TYPE_CHECKING:
@@ -121,7 +122,7 @@ def reduce(
         )
     extra = packed.extra
     if extra:
-        _refuse_shadowing(type(value), extra, lambda why: _unwritable(value, why))
+        refuse_shadowing(type(value), extra, lambda why: _unwritable(value, why))
     dim_to_pack, pad_to_max_shape = _written_fields(value, packed)
     state = {
         STATE_KEY: 1,
@@ -169,28 +170,10 @@ def _written_fields(value: PackedTensor, packed: PackedState) -> tuple[int, bool
     return int(dim), pad
 
 
-def _refuse_shadowing(cls: type, attrs: dict[Any, Any], error: Callable[[str], Exception]) -> None:
-    """Instance attributes may not hide the class's methods or properties: restored from a
-    payload, ``{"as_tensor": OrderedDict}`` would make ``as_tensor()`` return whatever the
-    payload chose. ``error(why)`` is raised for the first offender."""
-    for key in attrs:
-        if not isinstance(key, str):
-            raise error(f"attribute name {key!r} is not a string")
-        if key in VALUE_FIELDS or key in RAW_FIELDS:
-            continue
-        if hasattr(cls, key):
-            raise error(f"attribute {key!r} would hide {cls.__name__}.{key}")
-
-
 def _check_fits(value: PackedTensor, lay: PackedLayout, indices: np.ndarray | None, n: int) -> None:
     """Refuse to write a value whose ``tensors`` no longer fit its row layout (say, a segment
     appended to a deduplicated value's list): its pickle would not load."""
-    problem = None
-    if lay.has_provenance:
-        if lay.n_physical != n:
-            problem = f"its layout has provenance for {lay.n_physical} physical segments"
-    elif indices is not None and indices.size and int(indices.max()) >= n:
-        problem = f"its row mapping references physical segment {int(indices.max())}"
+    problem = layout_misfit(lay, n, indices)
     if problem is not None:
         raise LayoutMismatchError(
             f"cannot pickle {type(value).__name__} at {id(value):#x} ({len(value)} rows): "
@@ -216,7 +199,7 @@ def restore(cls: type[PackedTensor], state: Any) -> PackedState:
     lay = state.get("_layout")
     if lay is not None and not (isinstance(lay, PackedLayout) and lay.n_physical == len(tensors)):
         raise corrupt("_layout does not fit tensors")
-    _refuse_shadowing(cls, state, corrupt)
+    refuse_shadowing(cls, state, corrupt)
     charge(64 * _raw_entries(state) + _ATTRIBUTE_COST * len(state), "a NeMo-RL state")
     if any(k in state for k in RAW_FIELDS) or "_layout" not in state:
         lay = layout_from_fields(len(tensors), *(state.get(k) for k in RAW_FIELDS))
@@ -344,7 +327,7 @@ def _restore_fields(cls: type[PackedTensor], state: dict[str, Any]) -> PackedSta
     ):
         raise corrupt("extra attributes must be a dict of non-field names")
     if extra:
-        _refuse_shadowing(cls, extra, corrupt)
+        refuse_shadowing(cls, extra, corrupt)
         charge(_ATTRIBUTE_COST * len(extra), "PackedTensor attributes")
     dim_to_pack, pad_to_max_shape = fields["dim_to_pack"], fields["pad_to_max_shape"]
     return PackedState(tensors, lay, dim_to_pack, pad_to_max_shape, extra or None, in_store)

@@ -22,7 +22,7 @@ import torch
 from torch._utils import _flatten_dense_tensors
 
 from mmpack._native import LayoutError
-from mmpack.packed.buffers import BUFFER_DTYPES, i64_bytes
+from mmpack.packed.buffers import BUFFER_DTYPES, DTYPES_BY_NAME, i64_bytes
 from mmpack.packed.pickling.restore_charge import charge
 from mmpack.packed.state import corrupt
 
@@ -196,8 +196,8 @@ def decode_group(payload: Any) -> list[Any]:
 
 def _buffer_base(name: str, buf: Any) -> torch.Tensor:
     """One buffer of a group as a flat tensor of its dtype."""
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
+    dtype = DTYPES_BY_NAME.get(name) if isinstance(name, str) else None
+    if dtype is None:  # only the dtypes a group writes (no quantized or float8 storage)
         raise LayoutError(f"unknown dtype {name!r} in a PackedTensor pickle")
     data = _writable_bytes(buf)
     if memoryview(data).nbytes == 0:

@@ -40,6 +40,7 @@ __all__ = ["CHUNK_FORMAT", "STORE_FORMAT", "StoreSegment", "decode_segments", "e
 STORE_FORMAT = "mmpack.store-segments/1"
 #: What one ``ray.put`` holds: ``(CHUNK_FORMAT, dtype names, shapes, byte arrays)``.
 CHUNK_FORMAT = "mmpack.store-chunk/1"
+_MAX_NUMEL = 2**62
 
 
 # ---------------------------------------------------------------------------------------------
@@ -68,6 +69,8 @@ class Chunk:
                 or array.dtype != np.uint8
                 or array.ndim != 1
                 or min(shape, default=0) < 0
+                # an element count torch can allocate, zero-size dimensions aside
+                or math.prod(d for d in shape if d) >= _MAX_NUMEL
                 or array.nbytes != math.prod(shape) * dtype.itemsize
             ):
                 raise corrupt("an object-store chunk member does not hold its shape's bytes")
