@@ -272,7 +272,7 @@ def test_values_made_and_returned_inside_tasks() -> None:
     def relay(i: int) -> list[PackedTensor]:
         return ray.get([make.remote(i), make.remote(i + 1)])  # ray.get inside a task, then a put
 
-    got = ray.get(relay.remote(1), timeout=60)
+    got = ray.get(relay.remote(1), timeout=180)  # three fresh workers, each importing torch
     assert all(
         torch.equal(v.as_tensor(), torch.full((6, 2), float(i)))
         for v, i in zip(got, (1, 2), strict=True)
