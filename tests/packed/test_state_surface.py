@@ -262,22 +262,25 @@ def test_earlier_internal_module_paths_are_gone_not_aliased() -> None:
         import mmpack.packed.pickle_format  # noqa: F401
 
 
-def test_raw_fields_written_into_a_values_dict_take_effect() -> None:
-    """NeMo-RL's own ``__setstate__`` is ``self.__dict__.update(state)``: the fields it writes
-    are the value's mapping, for ``as_tensor`` and for the pickle it writes."""
+def test_raw_fields_written_into_a_values_dict_are_written_as_its_mapping() -> None:
+    """NeMo-RL's own ``__setstate__`` is ``self.__dict__.update(state)``: fields written so
+    into a built value are its mapping in the state serialization reads (a pickle that loads
+    and means what NeMo-RL's would), never extra attributes."""
     a, b = torch.zeros(2, 3), torch.ones(1, 3)
     v = PackedTensor([a, b], 0)
     v.__dict__.update(_row_offsets=[0, 2], _segment_indices=[1, 0], _segment_provenance=None)
-    assert len(v) == 1 and v._row_offsets == [0, 2] and v._segment_indices == [1, 0]
-    assert torch.equal(v.as_tensor(), torch.cat([b, a]))  # type: ignore[arg-type]
+    state = v.packed_state()
+    assert state.extra is None and state.layout is not None
     back = pickle.loads(pickle.dumps(v))
-    assert back._row_offsets == [0, 2] and torch.equal(back.as_tensor(), torch.cat([b, a]))
+    assert back._row_offsets == [0, 2] and len(back) == 1
+    assert torch.equal(back.as_tensor(), torch.cat([b, a]))  # type: ignore[arg-type]
     dedup = PackedTensor([a, b], 0).enable_deduplication()
     prov = dedup._segment_provenance
-    dedup.__dict__["_row_offsets"] = [0, 1, 2]  # one field: the others are kept
+    dedup.__dict__["_row_offsets"] = [0, 1, 2]  # two fields: the third one is kept
     dedup.__dict__["_segment_indices"] = [1, 1]
-    assert dedup._segment_provenance == prov and dedup._segment_indices == [1, 1]
-    assert torch.equal(dedup.as_tensor(), torch.cat([b, b]))  # type: ignore[arg-type]
+    back = pickle.loads(pickle.dumps(dedup))
+    assert back._segment_provenance == prov and back._segment_indices == [1, 1]
+    assert torch.equal(back.as_tensor(), torch.cat([b, b]))  # type: ignore[arg-type]
 
 
 class DefaultPad(PackedTensor):

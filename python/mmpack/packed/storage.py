@@ -145,11 +145,8 @@ class SegmentStorage:
         return obj
 
     def _lay(self) -> PackedLayout | None:
-        lay = self._layout
-        d = self.__dict__
-        # a value's own fields are four entries: more may be NeMo-RL's raw fields, written
-        # into ``__dict__`` as NeMo-RL's own ``__setstate__`` does
-        if lay is _MISSING or (len(d) > 4 and not _RAW.isdisjoint(d)):
+        lay = self._layout  # hot: once per value in ``concat``
+        if lay is _MISSING:
             return self._adopt_raw()
         return lay
 
@@ -170,6 +167,9 @@ class SegmentStorage:
         """What serialization reads of this value (``mmpack.packed.state``). ``in_place``: a
         value read in place from the object store hands out its store views as they are
         (``read_in_place``); otherwise its segments are its ``tensors`` (private copies)."""
+        d = self.__dict__
+        if len(d) > 4 and not _RAW.isdisjoint(d):  # NeMo-RL's fields written into __dict__
+            self._adopt_raw()
         lay = self._lay()  # first: it turns NeMo-RL's raw fields into the handle
         store = _store_views(self) if in_place else None
         if store is not None:
