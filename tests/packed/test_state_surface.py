@@ -301,7 +301,7 @@ def test_extra_attributes_survive_when_the_dict_lacks_a_field() -> None:
         ({"extra": {"_layout": None}}, "own fields"),
         ({"extra": {"as_tensor": "x"}}, "would hide"),
         ({"extra": {1: "x"}}, "not a string"),
-        ({"extra": ["x"]}, "extra must be a dict"),
+        ({"extra": ["x"]}, "extra attributes must be a dict"),
         ({"layout": "garbage"}, "must be a PackedLayout"),
         ({"segments": None}, "segments must be a list"),
         ({"segments": []}, "do not fit"),
@@ -346,3 +346,33 @@ def test_reading_sizes_of_a_received_value_keeps_it_in_place(ray_store_on: Any) 
     assert stats.logical_bytes == 2 * stats.physical_bytes
     del sent, ref, got, stats
     _let_go()
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"tensors": []}, "one of the value's own fields"),
+        ({"_segment_indices": [0]}, "one of the value's own fields"),
+        (["note"], "must be a dict or None"),
+        ({"as_tensor": 1}, "would hide"),
+    ],
+)
+@pytest.mark.parametrize("restricted", [False, True])
+def test_a_payload_with_bad_extra_attributes_is_corrupt(
+    extra: Any, message: str, restricted: bool
+) -> None:
+    """Reading a pickle applies the same extra-attribute rule as ``from_packed_state``."""
+    import copyreg
+
+    from mmpack.compat import nemo_rl
+
+    state = PackedTensor([torch.ones(2)], 0).__reduce_ex__(2)[2]
+    state["extra"] = extra
+
+    class Handmade:
+        def __reduce__(self) -> Any:
+            return (copyreg._reconstructor, (PackedTensor, object, None), state)  # type: ignore[attr-defined]
+
+    data = pickle.dumps(Handmade(), protocol=2)
+    with pytest.raises(LayoutError, match=f"corrupt PackedTensor pickle: .*{message}"):
+        (nemo_rl.loads if restricted else pickle.loads)(data)

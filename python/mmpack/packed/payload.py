@@ -99,7 +99,7 @@ class _Acc:
             lay = state.layout
             segments, order = state.segments, None if lay is None else lay.indices()
             if state.read_in_place:  # a view's bytes, shared by every value of its chunk
-                segments = [getattr(s, "array", s) for s in segments]
+                segments = [s.array if _is_view(s) else s for s in segments]
         else:
             segments, order = value.tensors, _raw_segment_order(value)
         totals = _native.measure_segments(segments, order, self.seen, _ARRAY_TYPES)
@@ -107,6 +107,11 @@ class _Acc:
         self.physical_segments += totals.physical_segments
         self.logical_bytes += totals.logical_bytes
         self.logical_segments += totals.logical_segments
+
+
+def _is_view(segment: Any) -> bool:
+    """A store view (``mmpack.packed.state``), whose bytes are its ``array``."""
+    return getattr(segment, "read_in_place", False) is True
 
 
 #: What counts as a segment inside a ``PackedTensor`` (any other entry, ``None`` included, is

@@ -39,6 +39,7 @@ __all__ = [
     "corrupt",
     "layout_misfit",
     "private_segments",
+    "refuse_extra",
     "refuse_shadowing",
 ]
 
@@ -127,15 +128,20 @@ def check(state: PackedState, cls: type) -> None:
         raise LayoutError(f"pad_to_max_shape must be a bool, got {pad!r}")
     if not isinstance(in_place, bool):
         raise LayoutError(f"read_in_place must be a bool, got {in_place!r}")
+    refuse_extra(cls, extra, LayoutError)
+
+
+def refuse_extra(cls: type, extra: Any, error: Callable[[str], Exception]) -> None:
+    """Extra attributes are ``None`` or a dict of names that are neither the value's own
+    fields (NeMo-RL's included) nor its class's methods; ``error(why)`` otherwise."""
     if extra is None:
         return
     if not isinstance(extra, dict):
-        raise LayoutError(f"extra must be a dict or None, got {type(extra).__name__}")
-    fields = VALUE_FIELDS.union(RAW_FIELDS)
+        raise error(f"extra attributes must be a dict or None, got {type(extra).__name__}")
     for key in extra:
-        if key in fields:
-            raise LayoutError(f"extra attribute {key!r} is one of the value's own fields")
-    refuse_shadowing(cls, extra, LayoutError)
+        if key in VALUE_FIELDS or key in RAW_FIELDS:
+            raise error(f"extra attribute {key!r} is one of the value's own fields")
+    refuse_shadowing(cls, extra, error)
 
 
 def corrupt(why: str) -> LayoutError:

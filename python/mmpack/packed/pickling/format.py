@@ -79,6 +79,7 @@ from mmpack.packed.state import (
     corrupt,
     layout_misfit,
     private_segments,
+    refuse_extra,
     refuse_shadowing,
 )
 
@@ -320,14 +321,8 @@ def _restore_fields(cls: type[PackedTensor], state: dict[str, Any]) -> PackedSta
     }
     _check_fields(fields, "mmpack state")
     extra = state.get("extra")
-    if extra is not None and not (
-        isinstance(extra, dict)
-        and VALUE_FIELDS.isdisjoint(extra)
-        and not set(RAW_FIELDS) & extra.keys()
-    ):
-        raise corrupt("extra attributes must be a dict of non-field names")
+    refuse_extra(cls, extra, corrupt)
     if extra:
-        refuse_shadowing(cls, extra, corrupt)
         charge(_ATTRIBUTE_COST * len(extra), "PackedTensor attributes")
     dim_to_pack, pad_to_max_shape = fields["dim_to_pack"], fields["pad_to_max_shape"]
     return PackedState(tensors, lay, dim_to_pack, pad_to_max_shape, extra or None, in_store)
