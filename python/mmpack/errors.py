@@ -186,6 +186,14 @@ class SampleFormatError(EnergonDataError):
 
 
 @_row("energon")
+class UncountableMediaError(SampleFormatError):
+    """The model's processor cannot count a media item's tokens from its size: it refuses the
+    size (Qwen2-VL refuses an aspect ratio of 200 or more) or its count fails. The message names
+    the sample, the item, its size and the processor's error, which is chained as ``__cause__``.
+    """
+
+
+@_row("energon")
 class MediaTokenCountError(EnergonDataError):
     """A decoded media item takes a different number of tokens than the sample was encoded with (its
     manifest or fragment metadata declares a wrong size or duration). The message names the sample,

@@ -22,7 +22,7 @@ from mmpack_dev.qwen_vocab import qwen2_vl_tokenizer
 from mmpack_dev.synthetic import build_tokenizer, png_bytes
 from support.conversations import cooked_conversation
 
-NOT_PREFIX_STABLE = "{{ messages | length }} {% for m in messages %}{{ m['content'] }} {% endfor %}"
+COUNTS_MESSAGES = "{{ messages | length }} {% for m in messages %}{{ m['content'] }} {% endfor %}"
 UPPERCASE = "{% for m in messages %}<|im_start|>{{ m['content'] | upper }}<|im_end|>{% endfor %}"
 
 
@@ -105,9 +105,8 @@ def test_tokens_and_mask_are_the_templates_own(
         if mode is None:
             assert TEMPLATE_MARKUP_ROLE in encoded.message_roles
     else:
-        assert trained_text(enc, encoded) == (
-            "<|im_start|>assistant\n4<|im_end|>\n<|im_start|>assistant\nYou're welcome.<|im_end|>\n"
-        )
+        # the replies and the end of their turns: no role header
+        assert trained_text(enc, encoded) == "4<|im_end|>\nYou're welcome.<|im_end|>\n"
 
 
 @pytest.mark.parametrize("generation", [False, True], ids=["boundaries", "generation"])
@@ -131,8 +130,8 @@ def test_fragment_flags_decide_their_own_tokens_in_precomputed_mode(qwen_tokeniz
         ("assistant", (text("Let me think.", False), text(" It is 4.", True))),
     )
     encoded = enc.encode_conversation(conv)
-    # the reasoning prefix is not trained; the markup follows the message (trainable)
-    assert trained_text(enc, encoded) == "<|im_start|>assistant\n It is 4.<|im_end|>\n"
+    # the reasoning prefix is not trained; the end of the turn follows the message (trainable)
+    assert trained_text(enc, encoded) == " It is 4.<|im_end|>\n"
     with pytest.raises(SampleFormatError, match="differ from its roles"):
         encoder(qwen_tokenizer).encode_conversation(conv)
 
@@ -150,7 +149,8 @@ def test_a_token_straddling_two_fragments_is_trained_only_when_both_are(
         ("assistant", (text("I say ", True), text("secret", False), text("ly yes", True))),
     )
     got = flagged(enc, enc.encode_conversation(conv))
-    reply = got[got.index(("assistant", 1)) + 2 : -2]
+    header = max(i for i, (token, _) in enumerate(got) if token == "assistant")
+    reply = got[header + 2 : -2]
     # " secretly" holds the space of the first fragment and the start of the third
     assert reply == [("I", 1), (" say", 1), (" secretly", 0), (" yes", 1)]
     # a header newline merged into a fragment's leading newline straddles markup and text
@@ -170,9 +170,9 @@ def test_a_fragment_is_never_matched_in_the_role_header(qwen_tokenizer: Any) -> 
     )
     got = flagged(enc, enc.encode_conversation(conv))
     assert got[-8:-1] == [
-        ("<|im_start|>", 1),
-        ("assistant", 1),
-        ("\n", 1),
+        ("<|im_start|>", 0),
+        ("assistant", 0),
+        ("\n", 0),
         ("assistant", 0),
         ("\n", 0),
         ("ok", 1),
@@ -182,16 +182,19 @@ def test_a_fragment_is_never_matched_in_the_role_header(qwen_tokenizer: Any) -> 
         ("user", (text("hi"),)), ("assistant", (text("a", False), text("ok", True)))
     )
     got = flagged(enc, enc.encode_conversation(conv))
-    assert got[-5:-2] == [("\n", 1), ("a", 0), ("ok", 1)]
+    assert got[-5:-2] == [("\n", 0), ("a", 0), ("ok", 1)]
 
 
-def test_text_that_leaves_no_marker_is_refused_naming_the_sample(qwen_tokenizer: Any) -> None:
+def test_text_of_every_private_use_character_is_encoded(qwen_tokenizer: Any) -> None:
+    # nothing is written into the rendering to locate texts: any character is plain text
     areas = ((0xE000, 0xF900), (0xF0000, 0xFFFFE), (0x100000, 0x10FFFE))
     every_private_use = "".join(chr(c) for lo, hi in areas for c in range(lo, hi))
     enc = encoder(qwen_tokenizer, loss_mask_mode="precomputed")
     conv = conversation(("user", (text(every_private_use),)), ("assistant", (text("ok"),)))
-    with pytest.raises(ChatTemplateError, match=r"'c0'.*private-use"):
-        enc.encode_conversation(conv)
+    encoded = enc.encode_conversation(conv)
+    messages = [{"role": "user", "content": every_private_use}, {"role": "assistant", "content": "ok"}]
+    assert encoded.token_ids.tolist() == qwen_tokenizer.apply_chat_template(messages)["input_ids"]
+    assert trained_text(enc, encoded) == "ok<|im_end|>\n"
 
 
 def image(key: str, size: tuple[int, int]) -> MediaHandle:
@@ -232,7 +235,7 @@ def test_media_placeholders_expand_to_the_processors_count(
     assert "<|vision_start|>" + "<|image_pad|>" * 6 + "<|vision_end|>What is <image> here?" in (
         decoded
     )
-    assert trained_text(enc, encoded) == "<|im_start|>assistant\nA cat.<|im_end|>\n"
+    assert trained_text(enc, encoded) == "A cat.<|im_end|>\n"
 
 
 @pytest.mark.parametrize(
@@ -272,16 +275,25 @@ def test_a_media_token_in_the_markup_text_is_refused() -> None:
 
 @pytest.mark.parametrize(
     ("template", "message"),
-    [
-        (NOT_PREFIX_STABLE, "not prefix-stable"),
-        (UPPERCASE, "does not render the part's text verbatim"),
-    ],
+    [(UPPERCASE, "does not render the text of message 1")],
 )
 def test_templates_that_cannot_be_mapped_back_are_refused_at_construction(
     template: str, message: str
 ) -> None:
     with pytest.raises(EnergonConfigError, match=message):
         encoder(qwen2_vl_tokenizer(template), loss_mask_mode="precomputed")
+
+
+def test_a_template_that_counts_the_messages_is_encoded(qwen_tokenizer: Any) -> None:
+    # its output for the first message changes as messages are added: prefix renders could
+    # not tell the messages apart, one render of the whole conversation can
+    enc = encoder(qwen2_vl_tokenizer(COUNTS_MESSAGES), loss_mask_mode="precomputed")
+    encoded = enc.encode_conversation(DIALOGUE)
+    tok = enc.tokenizer
+    assert encoded.token_ids.tolist() == tok.apply_chat_template(MESSAGES)["input_ids"]
+    # " You" holds the user turn's closing space and the reply's first letters: a token
+    # trains only when every character it covers does
+    assert trained_text(enc, encoded) == "4're welcome. "
 
 
 def test_a_trimming_template_maps_its_parts_back(qwen_tokenizer: Any) -> None:
@@ -294,9 +306,7 @@ def test_a_trimming_template_maps_its_parts_back(qwen_tokenizer: Any) -> None:
         ("user", (text("  hi  "),)),
         ("assistant", (text("  think", False), text(" then 4  ", True))),
     )
-    assert trained_text(enc, enc.encode_conversation(conv)) == (
-        "<|im_start|>assistant\n then 4<|im_end|>\n"
-    )
+    assert trained_text(enc, enc.encode_conversation(conv)) == " then 4<|im_end|>\n"
 
 
 def test_the_markup_is_only_for_tokenizers_built_for_it() -> None:

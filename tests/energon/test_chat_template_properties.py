@@ -147,8 +147,9 @@ def rendered_by_hand(
     conversation: Conversation,
 ) -> tuple[str, np.ndarray, list[tuple[int, int, bool]]]:
     """Qwen2-VL's released template for string contents, written out: the rendering, one
-    flag per character by the documented rule (a text's own flag, else its message's), and
-    each non-empty text part's span and flag."""
+    flag per character by the documented rule (a text's own flag; the end of its turn its
+    message's; the injected system prompt and the role headers no message's), and each
+    non-empty text part's span and flag."""
     out = ""
     flags: list[bool] = []
     parts: list[tuple[int, int, bool]] = []
@@ -160,7 +161,7 @@ def rendered_by_hand(
         head = head if m == 0 and turn.role != "system" else ""
         head += f"<|im_start|>{turn.role}\n"
         out += head
-        flags += [marker] * len(head)
+        flags += [False] * len(head)
         for part in turn.parts:
             flag = by_role if part.trainable is None else part.trainable
             if part.text:

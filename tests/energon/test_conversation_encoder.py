@@ -14,18 +14,18 @@ from mmpack.batch import masks, templates
 from mmpack.energon import EncodedConversation, PackingEncoderConfig, PackingTaskEncoder
 from mmpack.energon.chat_template import ChatTemplateEncoder
 from mmpack.energon.markup import MarkupEncoder
+from mmpack.energon.samples import Part, Turn
 from mmpack.errors import ChatTemplateError, LossMaskError, SampleFormatError
 from mmpack_dev.qwen_vocab import QWEN2_VL_CHAT_TEMPLATE as PLAIN
 from mmpack_dev.qwen_vocab import QWEN2_VL_GENERATION_TEMPLATE as GENERATION
 from mmpack_dev.qwen_vocab import qwen2_vl_tokenizer
 from mmpack_dev.synthetic import build_tokenizer
+from support.conversations import cooked_conversation
 from test_chat_template import DIALOGUE, MESSAGES, encoder, mask_of, trained_text
 
 MODES = [None, "precomputed"]
 REPLIES = "4<|im_end|>You're welcome.<|im_end|>"
-WHOLE_REPLIES = (
-    "<|im_start|>assistant\n4<|im_end|>\n<|im_start|>assistant\nYou're welcome.<|im_end|>\n"
-)
+WHOLE_REPLIES = "4<|im_end|>\nYou're welcome.<|im_end|>\n"
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -161,33 +161,31 @@ def test_an_overriding_encode_conversation_is_validated_and_counted_again(
 
     monkeypatch.setattr(EncodedConversation, "revalidated", twice)
     whole = len(qwen_tokenizer(WHOLE_REPLIES, add_special_tokens=False).input_ids)
-    assert plain.preencode_sample(DIALOGUE).trainable_tokens == whole == 15
+    assert plain.preencode_sample(DIALOGUE).trainable_tokens == whole == 9
 
 
-def test_one_prefix_renderer_serves_both_chat_template_paths(
+def test_one_render_serves_both_chat_template_paths(
     monkeypatch: pytest.MonkeyPatch, qwen_tokenizer: Any
 ) -> None:
     calls: list[int] = []
-    real = templates.render_prefixes
+    real = templates.render
 
-    def counting(tokenizer: Any, messages: Any, **kwargs: Any) -> list[str]:
+    def counting(template: str, messages: Any, **kwargs: Any) -> Any:
         calls.append(len(messages))
-        return real(tokenizer, messages, **kwargs)
+        return real(template, messages, **kwargs)
 
-    monkeypatch.setattr(templates, "render_prefixes", counting)
+    def never(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("rendered through apply_chat_template")
+
+    monkeypatch.setattr(templates, "render", counting)
     enc = encoder(qwen_tokenizer)
     calls.clear()  # the startup probe renders too
+    monkeypatch.setattr(enc.tokenizer, "apply_chat_template", never)
     encoded = enc.encode_conversation(DIALOGUE)
     ids, _ = masks.from_chat_template(enc.tokenizer, MESSAGES)
+    # each conversation rendered once, whole: no prefix, no second render
     assert calls == [len(MESSAGES), len(MESSAGES)]
     assert encoded.token_ids.tolist() == ids.tolist()
-    # one generation-tag rule decides for both
-    assert templates.has_generation_markers(GENERATION)
-    assert not templates.has_generation_markers(PLAIN)
-    assert templates.has_generation_markers("{%- generation -%}x{% endgeneration %}")
-    # Jinja's "+" (whitespace-control override) opens the same block
-    assert templates.has_generation_markers("{%+ generation +%}x{%+ endgeneration %}")
-    assert not templates.has_generation_markers("{% endgeneration %}")
 
 
 class _Rewrites:
@@ -259,3 +257,27 @@ def test_padding_past_int32_is_a_config_error_at_construction(
 
     with pytest.raises(EnergonConfigError, match="batch options rejected"):
         encoder(qwen_tokenizer, **{option: 2**40})
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_markup_refuses_a_turn_with_fields_it_cannot_render(mode: str | None) -> None:
+    enc = PackingTaskEncoder(
+        PackingEncoderConfig(modalities=[], loss_mask_mode=mode), tokenizer=build_tokenizer()
+    )
+    assert isinstance(enc.conversation_encoder, MarkupEncoder)
+    calls = [{"id": "c0", "type": "function", "function": {"name": "f", "arguments": "{}"}}]
+    conv = cooked_conversation(
+        "tools",
+        [
+            Turn("user", (Part(text="kaka"),)),
+            Turn("assistant", (), {"tool_calls": calls}),
+            Turn("assistant", (Part(text="lolo"),)),
+        ],
+    )
+    # the markup has no place for tool calls: refused, not trained as an empty reply
+    with pytest.raises(
+        SampleFormatError, match=r"sample 'tools': turn 1 \(assistant\).*'tool_calls'"
+    ):
+        enc.encode_conversation(conv)
+    plain = cooked_conversation("plain", [Turn("user", (Part(text="kaka"),)), conv.turns[2]])
+    assert enc.encode_conversation(plain).num_tokens > 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 from pathlib import Path
@@ -378,3 +379,169 @@ def test_media_is_not_decoded_before_selection_nor_for_skipped_samples(
     (group,) = enc.select_samples_to_pack([good])
     enc.pack_selected_samples([enc.postencode_sample(s) for s in group])
     assert MEDIA_LOG.decodes == ["s/good/a.png"]  # b.png is in the manifest but never used
+
+
+TOOL_CALL = {
+    "id": "call_0",
+    "type": "function",
+    "function": {"name": "weather", "arguments": '{"city": "Paris", "days": [1, 2]}'},
+}
+
+
+def test_generic_cooker_hands_every_other_message_key_to_the_template() -> None:
+    obj = {
+        "messages": [
+            {"role": "system", "content": "be brief", "tools": [{"type": "function"}]},
+            {"role": "user", "content": "<image> weather?", "name": "ana"},
+            {
+                "role": "assistant",
+                "reasoning_content": "look it up",
+                "content": None,
+                "tool_calls": [TOOL_CALL],
+            },
+            {"role": "tool", "tool_call_id": "call_0", "name": "weather", "content": "sunny"},
+            # no content at all, only tool calls (the OpenAI shape without the null)
+            {"role": "assistant", "tool_calls": [TOOL_CALL], "weight": 0.5, "done": False},
+            {"role": "assistant", "content": "", "tool_calls": [], "extra": None},
+        ],
+        "media": [{"name": "a.png", "width": 16, "height": 16}],
+    }
+    conv = cook_generic(raw("g-tools", obj, **{"a.png": png(16, 16)}))
+    turns = conv.turns
+    # every key but role and content, unchanged and in the message's order
+    assert [dict(t.fields) for t in turns] == [
+        {k: v for k, v in m.items() if k not in ("role", "content")} for m in obj["messages"]
+    ]
+    assert list(turns[2].fields) == ["reasoning_content", "tool_calls"]
+    assert turns[2].fields["tool_calls"] == [TOOL_CALL]
+    assert list(turns[3].fields) == ["tool_call_id", "name"]
+    # null or missing content is no text: the reply is its tool calls
+    assert turns[2].parts == turns[4].parts == turns[5].parts == ()
+    assert [p.text for p in turns[3].parts] == ["sunny"]
+    assert turns[1].parts[0].media is not None and turns[1].parts[1].text == " weather?"
+
+
+def test_generic_cooker_without_extra_keys_gives_empty_fields() -> None:
+    conv = _conv([("user", "kaka"), ("assistant", "lolo")])
+    assert [dict(t.fields) for t in conv.turns] == [{}, {}]
+
+
+def test_turn_fields_are_read_only_and_turns_stay_hashable_and_picklable() -> None:
+    import pickle
+
+    from mmpack.energon.samples import Part, Turn
+
+    obj = {
+        "messages": [
+            {"role": "user", "content": "kaka"},
+            {"role": "assistant", "content": None, "tool_calls": [TOOL_CALL], "n": 1},
+        ]
+    }
+    conv = cook_generic(raw("g-pickle", obj))
+    turn = conv.turns[1]
+    with pytest.raises(TypeError):
+        turn.fields["tool_calls"] = []  # type: ignore[index]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        turn.fields = {}  # type: ignore[misc]
+    # Energon pickles samples to its workers
+    back = pickle.loads(pickle.dumps(conv))
+    assert back.turns == conv.turns
+    assert list(back.turns[1].fields) == ["tool_calls", "n"]
+    assert hash(back.turns[1]) == hash(turn)
+    # equal whatever mapping the fields were given as (1 == 1.0: equal hashes too)
+    same = Turn("assistant", (), {"tool_calls": [TOOL_CALL], "n": 1.0})
+    assert same == turn and hash(same) == hash(turn)
+    assert Turn("user", (Part(text="a"),)) == Turn("user", (Part(text="a"),), {})
+    assert len({turn, same, Turn("assistant", ())}) == 2
+    # the caller's dict is copied: changing it later changes nothing
+    given = {"name": "ana"}
+    kept = Turn("user", (), given)
+    given["name"] = "bob"
+    assert kept.fields == {"name": "ana"}
+
+
+@pytest.mark.parametrize(
+    ("fields", "error", "message"),
+    [
+        ({"role": "tool"}, ValueError, "'role'"),
+        ({"content": "x"}, ValueError, "'content'"),
+        ({1: "x"}, TypeError, "keys must be strings"),
+        ({"when": object()}, TypeError, r"'when'.*object"),
+        ({"calls": [{"args": (1, 2)}]}, TypeError, r"'calls'.*tuple"),
+        ({"calls": {1: 2}}, TypeError, r"'calls'.*keys must be strings"),
+    ],
+)
+def test_turn_refuses_fields_that_are_not_json_or_shadow_the_message(
+    fields: Any, error: type[Exception], message: str
+) -> None:
+    from mmpack.energon.samples import Turn
+
+    with pytest.raises(error, match=message):
+        Turn("assistant", (), fields)
+
+
+def test_fragments_cooker_hands_other_turn_keys_to_the_template(
+    media_store: SystemFileStore,
+) -> None:
+    obj = {
+        "conversation": [
+            {"role": "user", "fragments": [{"text": "weather?", "trainable": False}]},
+            {
+                "role": "assistant",
+                "reasoning_content": "look it up",
+                "fragments": [],
+                "tool_calls": [TOOL_CALL],
+            },
+            {
+                "role": "tool",
+                "tool_call_id": "call_0",
+                "fragments": [{"text": "sunny", "trainable": False}],
+            },
+            {"role": "assistant", "fragments": [{"text": "sunny", "trainable": True}]},
+        ]
+    }
+    conv = cook_fragments(raw("f-tools", obj), media=media_store)
+    assert [dict(t.fields) for t in conv.turns] == [
+        {},
+        {"reasoning_content": "look it up", "tool_calls": [TOOL_CALL]},
+        {"tool_call_id": "call_0"},
+        {},
+    ]
+    assert list(conv.turns[1].fields) == ["reasoning_content", "tool_calls"]
+
+
+@pytest.mark.parametrize("key", ["content", "trainable"])
+def test_fragments_cooker_refuses_a_turn_key_mmpack_reads_itself(
+    media_store: SystemFileStore, key: str
+) -> None:
+    obj = {
+        "conversation": [
+            {"role": "user", "fragments": [{"text": "kaka", "trainable": False}]},
+            {"role": "assistant", key: "lolo", "fragments": [{"text": "l", "trainable": True}]},
+        ]
+    }
+    with pytest.raises(SampleFormatError, match=rf"'f-key': turn 1 .*'{key}'"):
+        cook_fragments(raw("f-key", obj), media=media_store)
+
+
+def test_a_text_fragment_without_trainable_is_refused_by_name(
+    media_store: SystemFileStore,
+) -> None:
+    obj = {
+        "conversation": [
+            {"role": "user", "fragments": [{"text": "kaka", "trainable": False}]},
+            {
+                "role": "assistant",
+                "fragments": [{"text": "lo", "trainable": True}, {"text": "lo"}],
+            },
+        ]
+    }
+    with pytest.raises(
+        SampleFormatError, match=r"sample 'f-untagged': turn 1, fragment 1: .*'trainable'.*none"
+    ):
+        cook_fragments(raw("f-untagged", obj), media=media_store)
+    obj["conversation"][1]["fragments"][1]["trainable"] = "yes"
+    with pytest.raises(
+        SampleFormatError, match=r"'f-untagged': turn 1, fragment 1: 'trainable'.*'yes'"
+    ):
+        cook_fragments(raw("f-untagged", obj), media=media_store)

@@ -54,7 +54,11 @@ def sample(i: int) -> tuple[str, list[Any]]:
     turns = [
         {
             "role": "user",
-            "fragments": [{"media": "shared.png"}, {"media": f"own-{i}.png"}, {"text": "kaka"}],
+            "fragments": [
+                {"media": "shared.png"},
+                {"media": f"own-{i}.png"},
+                {"text": "kaka", "trainable": False},
+            ],
         },
         {"role": "assistant", "fragments": [{"text": "lolo", "trainable": True}]},
     ]

@@ -43,11 +43,11 @@ def sample(key: str, side: int, ending: str, declared: bool) -> tuple[str, list[
     if declared:
         image.update(width=side, height=side)
     turns: list[dict[str, Any]] = [
-        {"role": "user", "fragments": [image, {"text": "kaka"}]},
+        {"role": "user", "fragments": [image, {"text": "kaka", "trainable": False}]},
         {"role": "assistant", "fragments": [{"text": "lolo", "trainable": True}]},
     ]
     if ending == "question":
-        turns.append({"role": "user", "fragments": [{"text": "mimi"}]})
+        turns.append({"role": "user", "fragments": [{"text": "mimi", "trainable": False}]})
     return key, [("json", json.dumps({"conversation": turns}).encode())]
 
 

@@ -15,7 +15,13 @@ from mmpack.energon import PackingEncoderConfig, PackingTaskEncoder
 from mmpack.energon.media import MediaHandle
 from mmpack.energon.processors import ModelProcessor
 from mmpack.energon.samples import Conversation, Part, Turn
-from mmpack.errors import EnergonConfigError, MediaTokenCountError, ModalityConfigError
+from mmpack.errors import (
+    EnergonConfigError,
+    MediaTokenCountError,
+    ModalityConfigError,
+    SampleFormatError,
+    UncountableMediaError,
+)
 from mmpack_dev.synthetic import png_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "examples"))
@@ -97,6 +103,27 @@ def test_a_lying_size_is_caught_after_decoding(qwen: Any) -> None:
     assert encoded.media_tokens == [4]  # what the declared size takes
     with pytest.raises(MediaTokenCountError, match=r"takes 12 tokens.*encoded with 4 tokens"):
         enc.postencode_sample(encoded)
+
+
+@pytest.mark.parametrize("declared", [False, True], ids=["header", "metadata"])
+def test_an_image_the_processor_cannot_count_is_refused_by_name(qwen: Any, declared: bool) -> None:
+    # Qwen2-VL's smart_resize refuses an aspect ratio of 200 or more (here 400)
+    cfg = PackingEncoderConfig(modalities=["image"])
+    enc = PackingTaskEncoder(cfg, processor=qwen)
+    meta = {"width": 1, "height": 400} if declared else None
+    thin = image("thin.png", (1, 400), sample="s-thin", meta=meta)
+    with pytest.raises(UncountableMediaError) as info:
+        enc.encode_conversation(conversation("s-thin", thin))
+    err = info.value
+    assert isinstance(err, SampleFormatError)
+    message = str(err)
+    assert "sample 's-thin'" in message and "image 'thin.png'" in message
+    assert "Qwen2VLProcessor" in message and "1x400" in message
+    assert "absolute aspect ratio must be smaller than 200" in message
+    assert type(err.__cause__) is ValueError  # the processor's own error, chained
+    # counted directly, as after decoding when no encoded counts are carried
+    with pytest.raises(UncountableMediaError, match=r"sample 's-thin'.*'thin.png'"):
+        ModelProcessor(qwen).count(thin)
 
 
 def test_coupled_keys_keep_equal_counts_and_deduplicate_together(qwen: Any) -> None:

@@ -30,6 +30,7 @@ from mmpack._coerce import (
     token_count,
 )
 from mmpack.batch import templates
+from mmpack.batch.rendered_tokens import GENERATION_ROLE, RenderedTokens
 from mmpack.errors import ChatTemplateError
 
 __all__ = [
@@ -135,15 +136,6 @@ def _template_of(tokenizer: Any) -> str:
     return template
 
 
-def _ids_of(encoded: Any) -> list[int]:
-    if isinstance(encoded, Mapping):
-        encoded = encoded["input_ids"]
-    ids = encoded.tolist() if hasattr(encoded, "tolist") else list(encoded)
-    if ids and isinstance(ids[0], list):  # a batch of one
-        ids = ids[0]
-    return [int(t) for t in ids]
-
-
 def from_chat_template(
     tokenizer: Any,
     messages: Sequence[Mapping[str, Any]],
@@ -151,48 +143,41 @@ def from_chat_template(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Token ids and loss mask of a conversation rendered by a Hugging Face chat template.
 
-    Returns ``(token_ids, mask)``: 1-D int64 and bool numpy arrays of equal length.
+    Returns ``(token_ids, mask)``: 1-D int64 and bool numpy arrays of equal length; the tokens
+    are ``apply_chat_template(messages, tokenize=True)``'s. The conversation is rendered once
+    (`mmpack.batch.templates.render`; linear in its length, for any template):
 
-    * When the template marks assistant output with ``{% generation %}`` and ``train_roles`` is
-      ``("assistant",)``, the mask is the template's own assistant-token mask
-      (``apply_chat_template(..., return_assistant_tokens_mask=True)``): exactly the tokens
-      inside the generation blocks.
-    * Otherwise the mask follows per-message boundaries: the conversation is rendered for each
-      prefix ``messages[:k]``; the tokens that message ``k`` adds are trained on when its role is
-      in ``train_roles``. This needs a prefix-stable template (each prefix's tokens are a prefix
-      of the next one's), else ``ChatTemplateError``. Everything a message's rendering adds
-      (its header and end marker included) counts as that message's.
+    * Tokens in the template's ``{% generation %}`` blocks are exactly those of
+      ``apply_chat_template(..., return_assistant_tokens_mask=True)``; they train when their
+      message's role (``assistant`` outside any message) is in ``train_roles``. An
+      ``assistant`` message trains only through blocks when the template has them.
+    * Every other token trains when the message that owns it has its role in
+      ``train_roles``, by the roles rule of `mmpack.batch.rendered_tokens`: a message owns
+      what its values rendered and the rest of its turn from its first value on (its
+      end-of-turn token); role headers and text the template injects (a default system prompt,
+      a date line) belong to no message and never train.
 
-    The two agree whenever the generation block wraps each assistant message's whole rendering.
+    Needs a fast tokenizer (character offsets). Raises `ChatTemplateError` when the template
+    fails on the conversation.
     """
     roles = role_list(train_roles, "train_roles")
     template = _template_of(tokenizer)
     msgs = [dict(m) for m in messages]
     if not msgs:
         raise ChatTemplateError("from_chat_template needs at least one message")
-    if templates.has_generation_markers(template) and roles == ["assistant"]:
-        out = tokenizer.apply_chat_template(
-            msgs, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        raise ChatTemplateError(
+            f"from_chat_template needs a fast tokenizer (token offsets); "
+            f"{type(tokenizer).__name__} has none"
         )
-        ids = _ids_of(out)
-        mask = np.asarray(out["assistant_masks"], dtype=np.int64).reshape(-1)
-        if len(mask) != len(ids):
-            raise ChatTemplateError(
-                f"the template's assistant mask has {len(mask)} entries for {len(ids)} tokens"
-            )
-        return np.asarray(ids, dtype=np.int64), mask.astype(np.bool_)
-
-    lengths: list[int] = []
-    prev: list[int] = []
-    for k, text in enumerate(templates.render_prefixes(tokenizer, msgs), start=1):
-        ids = _ids_of(tokenizer(text, add_special_tokens=False))
-        if ids[: len(prev)] != prev:
-            raise ChatTemplateError(
-                f"the chat template is not prefix-stable: the tokens of messages[:{k - 1}] are "
-                f"not a prefix of those of messages[:{k}], so per-message boundaries are unknown"
-            )
-        lengths.append(len(ids) - len(prev))
-        prev = ids
+    rendering = templates.render(template, msgs, variables=templates.template_variables(tokenizer))
+    encoding = backend.encode(rendering.text, add_special_tokens=False)
+    tokens = RenderedTokens(rendering, np.asarray(encoding.offsets), len(msgs))
     msg_roles = [str(m.get("role", "")) for m in msgs]
-    mask = from_roles(lengths, msg_roles, roles, num_tokens=len(prev))
-    return np.asarray(prev, dtype=np.int64), mask
+    labels = tokens.role_labels(msg_roles, templates.has_generation_markers(template))
+    # labels: -2 (a block outside every turn), -1 (never), or the deciding message
+    trains = np.asarray(
+        [GENERATION_ROLE in roles, False, *(r in roles for r in msg_roles)], dtype=np.bool_
+    )
+    return np.asarray(encoding.ids, dtype=np.int64), trains[labels + 2]

@@ -1,60 +1,59 @@
-"""`ChatTemplateEncoder`: the conversation encoder of the tokenizer's own chat template
-(``apply_chat_template``).
+"""`ChatTemplateEncoder`: the conversation encoder of the model's own chat template (the
+processor's ``chat_template`` when it has one, else the tokenizer's).
 
 A cooked `Conversation` becomes Hugging Face messages (text parts as ``{"type": "text"}``
 items, media parts as ``{"type": "image" | "video" | "audio"}`` items; with a model's
 processor every content is such a list, otherwise a turn without media has a plain string
-``content``), rendered by the tokenizer's template and tokenized as
-``apply_chat_template(..., tokenize=True)`` does. Each media item's placeholder token (the one
-the template renders for it, e.g. Qwen2-VL's ``<|image_pad|>``) is then replaced by its
-expansion: what the model's processor puts there for that item, with the token count from the
-processor's own arithmetic on the item's size (read from metadata or the file header; nothing
-is decoded here).
+``content``; a turn's other fields, such as ``tool_calls`` and ``reasoning_content``, are the
+message's other keys), rendered once, whole, by `mmpack.batch.templates.render` (the text of
+``apply_chat_template(..., tokenize=False)``) and tokenized as ``apply_chat_template(...,
+tokenize=True)`` does. Each media item's placeholder token (the one the template renders for
+it, e.g. Qwen2-VL's ``<|image_pad|>``) is then replaced by its expansion: what the model's
+processor puts there for that item, with the token count from the processor's own arithmetic
+on the item's size (read from metadata or the file header; nothing is decoded here).
 
-Trainable spans, checked against the rendering:
+What trains (`mmpack.batch.rendered_tokens`; no prefix is ever rendered, so a template that
+renders history differently from the last turn, groups tool results or moves the system
+prompt into the first user turn is read as it is):
 
-* Message boundaries come from rendering each prefix ``messages[:k]``: every prefix must be a
-  prefix of the next rendering (else `ChatTemplateError`), and no token may straddle a boundary.
-  Everything a message's rendering adds (its header and end marker included) is that message's.
-* When the template marks assistant output with ``{% generation %}``, a message with tokens
-  inside a generation block trains only those (``return_assistant_tokens_mask``); its header
-  and end marker outside the block are never trained. An assistant message with no tokens in a
-  block (an empty reply in a block around the text only, a turn the template does not mark)
-  trains nothing, as the template's own mask; other roles without blocks follow `train_roles`.
-* In ``"precomputed"`` mode a text part's ``trainable`` flag (fragments format) decides its
-  own tokens. Each part is located by rendering the conversation once more with every text
-  replaced by a unique sentinel (so a text is never matched inside a role header or a system
-  prompt); a template that does not render a part's text verbatim (or trimmed at the ends)
-  raises `ChatTemplateError`. Every character of the rendering gets a flag: a text part's
-  characters its own, the other characters of a message (header, end marker, the template's
-  own text) the message's marker flag (trainable if any of its parts is, else by role), a media
-  placeholder by role unless the message flags its parts. **A token is trainable iff every
-  character it covers (its offsets) is**: a byte-level BPE token that straddles two parts, or a
-  part and the markup, is trained only when both sides are, so text marked not trainable never
-  reaches the loss (the price: such a boundary token of a trainable part is not trained either).
-* Media placeholder tokens in the rendering must be exactly the template's, one per media part:
-  a text that holds one (``<|image_pad|>`` written in a message, for any kind the model's
-  processor reads, configured or not) raises `SampleFormatError` naming the sample, as the
-  model's own processor refuses such a prompt. Strings that are not placeholder tokens of the
-  model (``<image>`` for Qwen2-VL) stay text.
+* When the template marks assistant output with ``{% generation %}``, block tokens are those of
+  ``return_assistant_tokens_mask``, and assistant messages train only through blocks (their
+  headers outside a block never train).
+* Otherwise, and for the other messages, the roles rule: a message owns what its values
+  rendered (text, tool calls, reasoning) and the rest of its turn from its first value on (its
+  end-of-turn token); role headers and injected text (a default system prompt) belong to no
+  message and never train. A message to be trained whose text the template transforms beyond
+  tracing (``| upper``) raises `ChatTemplateError`, instead of silently training nothing.
+* In ``"precomputed"`` mode a text part's ``trainable`` flag decides its own characters, the
+  other characters a message owns its marker flag (trainable if any of its parts is, else by
+  role), a media placeholder the role's unless the message flags its parts; inside a
+  generation block, text no message owns follows the block's turn. **A token is trainable iff
+  every character it covers (its offsets) is**: a byte-level BPE token that straddles two
+  parts, or a part and the markup, is trained only when both sides are, so text marked not
+  trainable never reaches the loss.
+* Media placeholder tokens in the rendering must be exactly the template's, one per media part,
+  in the part's message's turn: a text that holds one (``<|image_pad|>`` written in a message,
+  for any kind the model's processor reads, configured or not) raises `SampleFormatError`
+  naming the sample, as the model's own processor refuses such a prompt. Strings that are not
+  placeholder tokens of the model (``<image>`` for Qwen2-VL) stay text.
 
-In roles mode (``loss_mask_mode=None``) the result is per-message lengths and roles; the tokens
-of a message outside its generation block are a span of role `TEMPLATE_MARKUP_ROLE`, which is
-never trained.
+In roles mode (``loss_mask_mode=None``) the result is spans of tokens with the role that
+decides them: a message's role, or `TEMPLATE_MARKUP_ROLE` (never trained) for tokens no
+message owns and an assistant message's tokens outside its generation blocks.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
-import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from mmpack.batch import templates
+from mmpack.batch.rendered_tokens import GENERATION_ROLE, RenderedTokens
+from mmpack.batch.traced_text import TracedStr, traced_join
 from mmpack.energon.markup import MEDIA_TOKENS
 from mmpack.energon.media import MediaHandle, MediaSettings
 from mmpack.energon.samples import Conversation, EncodedConversation
@@ -70,12 +69,6 @@ __all__ = [
 
 #: Role of the spans of a message that lie outside its generation block (roles mode).
 TEMPLATE_MARKUP_ROLE = "<template-markup>"
-#: The private-use areas, as ranges of the first character of a marker pair (c, c + 1)
-_PRIVATE_USE = ((0xE000, 0xF8FF), (0xF0000, 0xFFFFD), (0x100000, 0x10FFFD))
-
-#: The role whose output ``{% generation %}`` blocks mark: with them, such a message trains only
-#: the tokens inside its blocks, none when it has none.
-GENERATION_ROLE = "assistant"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,136 +129,36 @@ def _repeat_placeholder(ids: Mapping[str, int], kind: str, count: int) -> list[i
     return [ids[kind]] * count
 
 
-def hf_messages(
-    conversation: Conversation,
-    *,
-    list_content: bool = False,
-    text_of: Callable[[int, int, str], str] | None = None,
-) -> list[dict[str, Any]]:
+def hf_messages(conversation: Conversation, *, list_content: bool = False) -> list[dict[str, Any]]:
     """The conversation as Hugging Face chat messages (see the module docstring); with
     `list_content` every message's content is a list of items (what multimodal templates
-    expect), else a turn without media has a plain string. `text_of(turn, part, text)`, if
-    given, replaces each non-empty text part's text."""
+    expect), else a turn without media has a plain string. A turn's other fields (tool calls,
+    reasoning, names) are the message's other keys, unchanged. Each text is a `TracedStr`
+    labelled ``("part", index of the part in its turn)``, so one render tells where each part's
+    characters went (plain text to anything but `mmpack.batch.templates.render`)."""
     messages: list[dict[str, Any]] = []
-    for m, turn in enumerate(conversation.turns):
+    for turn in conversation.turns:
         texts = [
-            p.text if text_of is None or not p.text else text_of(m, i, p.text)
+            TracedStr(p.text, [(0, len(p.text), ("part", i))]) if p.text else p.text
             for i, p in enumerate(turn.parts)
         ]
+        message: dict[str, Any] = {"role": turn.role}
         if not list_content and all(p.media is None for p in turn.parts):
-            messages.append({"role": turn.role, "content": "".join(t or "" for t in texts)})
-            continue
-        content: list[dict[str, Any]] = []
-        for part, text in zip(turn.parts, texts, strict=True):
-            if part.media is not None:
-                content.append({"type": part.media.kind})
-            elif text:
-                content.append({"type": "text", "text": text})
-        messages.append({"role": turn.role, "content": content})
-    return messages
-
-
-def _text_spans(
-    tokenizer: Any,
-    conversation: Conversation,
-    list_content: bool,
-    full: str,
-    bounds: list[int],
-) -> list[dict[int, tuple[int, int]]]:
-    """Where each text part lies in the rendering `full`: per message, part index ->
-    ``(start, end)`` character offsets. Found by rendering the conversation once more with
-    each text replaced by a unique sentinel, so a text is never matched in the template's own
-    markup (a role header, a system prompt): the sentinels' places, with the texts put back,
-    must give `full` exactly (texts rendered verbatim, or trimmed at the ends of a message's
-    content or of a part, as templates that ``| trim`` do); else `ChatTemplateError`."""
-    key = conversation.__key__
-    turns = conversation.turns
-    texts = [
-        (m, p, part.text)
-        for m, turn in enumerate(turns)
-        for p, part in enumerate(turn.parts)
-        if part.media is None and part.text
-    ]
-    spans: list[dict[int, tuple[int, int]]] = [{} for _ in turns]
-    if not texts:
-        return spans
-    # two private-use characters that occur nowhere in the rendering (so in no text): the
-    # first plane's, then the supplementary planes' (one set of the rendering's characters)
-    used = set(full)
-    code = next(
-        (
-            c
-            for c in itertools.chain(*(range(lo, hi, 2) for lo, hi in _PRIVATE_USE))
-            if chr(c) not in used and chr(c + 1) not in used
-        ),
-        None,
-    )
-    if code is None:
-        raise ChatTemplateError(
-            f"sample {key!r}: the text uses every private-use character, so its parts cannot "
-            "be marked to be located in the rendering"
-        )
-    opener, closer = chr(code), chr(code + 1)
-    index = {(m, p): i for i, (m, p, _) in enumerate(texts)}
-    messages = hf_messages(
-        conversation,
-        list_content=list_content,
-        text_of=lambda m, p, _text: f"{opener}{index[(m, p)]}{closer}",
-    )
-    try:
-        marked = tokenizer.apply_chat_template(messages, tokenize=False)
-    except Exception as err:
-        raise ChatTemplateError(
-            f"sample {key!r}: the chat template failed to render ({type(err).__name__}: {err})"
-        ) from err
-    pieces = re.split(f"{opener}([0-9]+){closer}", str(marked))
-    if [int(i) for i in pieces[1::2]] != list(range(len(texts))):
-        raise ChatTemplateError(
-            f"sample {key!r}: the chat template does not render each text part once, in order, "
-            "so its tokens cannot be located"
-        )
-    markup = pieces[0::2]
-    for rendered in (
-        [t for _, _, t in texts],
-        [t.strip() for _, _, t in texts],
-        _trimmed_contents(texts),
-    ):
-        if "".join(x for pair in zip(markup, [*rendered, ""], strict=True) for x in pair) != full:
-            continue
-        pos = 0
-        for (m, p, _), before, text in zip(texts, markup, rendered, strict=False):
-            pos += len(before)
-            if not bounds[m] <= pos <= pos + len(text) <= bounds[m + 1]:
-                break
-            if text:
-                spans[m][p] = (pos, pos + len(text))
-            pos += len(text)
+            text = traced_join(t for t in texts if t)
+            # an empty reply still marks where its content goes (its turn's end is its own)
+            message["content"] = text or TracedStr("", [(0, 0, ("empty",))])
         else:
-            return spans
-        spans = [{} for _ in turns]
-    raise ChatTemplateError(
-        f"sample {key!r}: the chat template does not render the part's text verbatim (nor "
-        "trimmed), so its tokens cannot be located"
-    )
-
-
-def _trimmed_contents(texts: list[tuple[int, int, str]]) -> list[str]:
-    """Each text as it renders when its message's whole content is trimmed: the leading
-    whitespace of the message's first texts and the trailing whitespace of its last ones go."""
-    out = [t for _, _, t in texts]
-    by_message: dict[int, list[int]] = {}
-    for i, (m, _, _) in enumerate(texts):
-        by_message.setdefault(m, []).append(i)
-    for members in by_message.values():
-        for i in members:
-            out[i] = out[i].lstrip()
-            if out[i]:
-                break
-        for i in reversed(members):
-            out[i] = out[i].rstrip()
-            if out[i]:
-                break
-    return out
+            content: list[dict[str, Any]] = []
+            for part, text in zip(turn.parts, texts, strict=True):
+                if part.media is not None:
+                    content.append({"type": part.media.kind})
+                elif text:
+                    content.append({"type": "text", "text": text})
+            message["content"] = content
+        for name, value in turn.fields.items():
+            message.setdefault(name, value)
+        messages.append(message)
+    return messages
 
 
 def _fast_backend(tokenizer: Any) -> Any:
@@ -278,45 +171,14 @@ def _fast_backend(tokenizer: Any) -> Any:
     return backend
 
 
-def _message_bounds(renderings: list[str], key: str) -> list[int]:
-    """Character offsets where each message's rendering starts (and the total length), from
-    the renderings of each message prefix."""
-    bounds = [0]
-    prev = ""
-    for k, text in enumerate(renderings, start=1):
-        if not text.startswith(prev):
-            raise ChatTemplateError(
-                f"sample {key!r}: the chat template is not prefix-stable: the rendering of "
-                f"messages[:{k - 1}] is not a prefix of that of messages[:{k}], so message "
-                "boundaries are unknown"
-            )
-        bounds.append(len(text))
-        prev = text
-    return bounds
-
-
-def _generation_mask(
-    tokenizer: Any, messages: list[dict[str, Any]], ids: list[int], key: str
-) -> np.ndarray:
-    out = tokenizer.apply_chat_template(
-        messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
-    )
-    theirs = out["input_ids"]
-    theirs = theirs.tolist() if hasattr(theirs, "tolist") else list(theirs)
-    if theirs != ids:
-        raise ChatTemplateError(
-            f"sample {key!r}: apply_chat_template(tokenize=True) gives other tokens than the "
-            "rendering tokenized with offsets"
-        )
-    return np.asarray(out["assistant_masks"], dtype=np.bool_).reshape(-1)
-
-
 class ChatTemplateEncoder:
     """Encodes conversations with the tokenizer's chat template (module docstring; a
     `ConversationEncoder`). Whether the template marks generation blocks is read once, here.
 
     Args:
         tokenizer: a Hugging Face fast tokenizer with a chat template.
+        processor: the model's Hugging Face processor, whose ``chat_template`` (when set)
+            is used instead of the tokenizer's.
         media: how media placeholders expand (`markup_media`, or a model processor's
             ``template_media``).
         train_roles, loss_mask_mode: as in `PackingEncoderConfig`.
@@ -332,129 +194,164 @@ class ChatTemplateEncoder:
         media: TemplateMedia,
         train_roles: Sequence[str],
         loss_mask_mode: str | None,
+        processor: Any = None,
     ) -> None:
         self.tokenizer = tokenizer
+        self.processor = processor
         self.media = media
         self.train_roles = tuple(train_roles)
         self.loss_mask_mode = loss_mask_mode
-        #: the template this encoder was built for: its masking rule is read from it once
-        self.template = templates.template_text(tokenizer)
+        #: the template this encoder was built for (the processor's, else the tokenizer's):
+        #: its masking rule is read from it once
+        self.template = templates.template_text(tokenizer, processor)
+        if self.template is None:
+            raise EnergonConfigError(
+                f"the tokenizer {type(tokenizer).__name__} has no chat template (set "
+                "tokenizer.chat_template)"
+            )
+        #: what the template reads besides the messages (the tokenizer's special tokens)
+        self.variables = templates.template_variables(tokenizer)
+        self.backend = _fast_backend(tokenizer)
         #: the template marks assistant output with ``{% generation %}``
         self.uses_generation_blocks = templates.has_generation_markers(self.template)
 
     def encode(self, conversation: Conversation) -> EncodedConversation:
         """Tokens, message spans (roles mode) or loss mask (``"precomputed"``) and media of one
-        conversation rendered by the chat template, validated
-        (`EncodedConversation.validated_from`). Raises `ChatTemplateError` when the rendering
-        cannot be mapped back onto the messages and parts, `SampleFormatError` for sample
-        problems (a part's flags contradicting its role in roles mode, a media placeholder
-        token written in the text, placeholders that do not match the media)."""
-        tokenizer = self.tokenizer
+        conversation rendered once by the chat template, validated
+        (`EncodedConversation.validated_from`). Raises `ChatTemplateError` when the template
+        fails on it, `SampleFormatError` for sample problems (a part's flags contradicting its
+        role in roles mode, a media placeholder token written in the text, placeholders that
+        do not match the media)."""
         media = self.media
         train_roles = self.train_roles
         key = str(conversation.__key__)
-        current = templates.template_text(tokenizer)
+        current = templates.template_text(self.tokenizer, self.processor)
         if current is not self.template and current != self.template:
             # rendering would follow the new template and masking the old one's rule
             raise ChatTemplateError(
-                f"sample {key!r}: the tokenizer's chat template changed after the task encoder "
-                "was built; build a new encoder for the new template"
+                f"sample {key!r}: the chat template changed after the task encoder was built; "
+                "build a new encoder for the new template"
             )
         turns = conversation.turns
         if not turns:
             raise SampleFormatError(f"sample {key!r} has no turns")
         messages = hf_messages(conversation, list_content=media.list_content)
-        renderings = templates.render_prefixes(tokenizer, messages, sample_id=key)
-        bounds = _message_bounds(renderings, key)
-        full = renderings[-1]
-        encoding = _fast_backend(tokenizer).encode(full, add_special_tokens=False)
+        rendering = templates.render(
+            self.template, messages, variables=self.variables, sample_id=key
+        )
+        full = rendering.text
+        encoding = self.backend.encode(full, add_special_tokens=False)
         ids = np.asarray(encoding.ids, dtype=np.int64)
         offsets = np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2)
-        n = len(ids)
-
-        message_of = np.searchsorted(
-            np.asarray(bounds[1:-1], dtype=np.int64), offsets[:, 0], "right"
-        )
-        ends = np.asarray(bounds[1:], dtype=np.int64)[message_of]
-        straddling = np.flatnonzero(offsets[:, 1] > ends)
-        if len(straddling):
-            i = int(straddling[0])
-            start, end = (int(v) for v in offsets[i])
-            raise ChatTemplateError(
-                f"sample {key!r}: token {i} ({full[start:end]!r}) straddles the end of message "
-                f"{int(message_of[i])}'s rendering; message boundaries do not fall on token "
-                "boundaries"
-            )
-
-        in_generation = (
-            _generation_mask(tokenizer, messages, ids.tolist(), key)
-            if self.uses_generation_blocks
-            else np.zeros(n, dtype=np.bool_)
-        )
-        if in_generation.shape[0] != n:
-            raise ChatTemplateError(
-                f"sample {key!r}: the template's assistant mask has {in_generation.shape[0]} "
-                f"entries for {n} tokens"
-            )
+        tokens = RenderedTokens(rendering, offsets, len(turns))
+        roles = [t.role for t in turns]
+        labels = tokens.role_labels(roles, self.uses_generation_blocks)
 
         precomputed = self.loss_mask_mode == "precomputed"
         if not precomputed:
             _check_flags_match_roles(conversation, train_roles)
-        placeholders = _match_placeholders(conversation, ids, message_of, media, full, offsets)
-        # roles mode: the tokens of a message outside its generation block
-        markup_span = np.zeros(n, dtype=np.bool_)
-        trainable = np.zeros(n, dtype=np.bool_)
-        spans = (
-            _text_spans(tokenizer, conversation, media.list_content, full, bounds)
+        if not self.uses_generation_blocks:
+            self._check_texts_located(conversation, rendering)
+        # a media item's placeholder is looked for in its message's turn
+        placeholders = _match_placeholders(conversation, ids, tokens.turn, media, full, offsets)
+        trainable = (
+            self._precomputed_mask(conversation, tokens, labels, placeholders)
             if precomputed
             else None
         )
-        # precomputed mode: one flag per character of the rendering (each text part's own,
-        # the message's marker elsewhere); a token is trained iff every character it covers is
-        char_flag = np.zeros(len(full), dtype=np.bool_)
-        marker_of = np.zeros(len(turns), dtype=np.bool_)
-        for m, turn in enumerate(turns):
-            lo = int(np.searchsorted(message_of, m, side="left"))
-            hi = int(np.searchsorted(message_of, m, side="right"))
-            by_role = turn.role in train_roles
-            # an assistant reply the template leaves outside its blocks (an empty reply, an
-            # earlier turn) is not trained, as in the template's own assistant mask
-            if bool(in_generation[lo:hi].any()) or (
-                self.uses_generation_blocks and turn.role == GENERATION_ROLE
-            ):
-                markup_span[lo:hi] = ~in_generation[lo:hi]
-            if spans is None:
-                trainable[lo:hi] = by_role
-                continue
-            flags = [p.trainable for p in turn.parts if p.media is None and p.trainable is not None]
-            marker_of[m] = any(flags) if flags else by_role
-            char_flag[bounds[m] : bounds[m + 1]] = marker_of[m]
-            for p_idx, (s_lo, s_hi) in spans[m].items():
-                part = turn.parts[p_idx]
-                char_flag[s_lo:s_hi] = by_role if part.trainable is None else part.trainable
-            for t, _ in placeholders:
-                if lo <= t < hi:
-                    # media is not trained where the message marks its text per fragment
-                    char_flag[offsets[t, 0] : offsets[t, 1]] = by_role and not flags
-        if spans is not None:
-            untrained = np.concatenate([[0], np.cumsum(~char_flag)])
-            covered = untrained[offsets[:, 1]] - untrained[offsets[:, 0]] == 0
-            # a token with no text (none in a byte-level BPE) follows its message's marker
-            empty = offsets[:, 1] <= offsets[:, 0]
-            trainable = np.where(empty, marker_of[message_of], covered)
-        # with generation blocks, a message that has some trains only the tokens inside them
-        trainable &= ~markup_span
         return _expand(
             conversation,
             ids,
             trainable,
-            message_of,
-            markup_span,
+            labels,
             placeholders,
             media,
             train_roles=train_roles,
-            precomputed=precomputed,
         )
+
+    def _check_texts_located(self, conversation: Conversation, rendering: Any) -> None:
+        """Without generation blocks the roles rule finds a message's tokens from its text:
+        a message to be trained whose text the template transformed beyond tracing (``|
+        upper``, a regex) would silently train nothing, so it is refused."""
+        located = {
+            v.message
+            for v in rendering.values
+            if isinstance(v.label, tuple) and v.label[:1] == ("part",)
+        }
+        for m, turn in enumerate(conversation.turns):
+            texts = [p for p in turn.parts if p.media is None and p.text]
+            trains = any(p.trainable for p in texts) or (
+                turn.role in self.train_roles and not any(p.trainable is False for p in texts)
+            )
+            if texts and trains and m not in located:
+                raise ChatTemplateError(
+                    f"sample {conversation.__key__!r}: the chat template does not render the "
+                    f"text of message {m} ({turn.role}) as given, nor cut or joined from it, so "
+                    "its tokens cannot be told from the template's; give the template "
+                    "{% generation %} blocks to mark what trains"
+                )
+
+    def _precomputed_mask(
+        self,
+        conversation: Conversation,
+        tokens: RenderedTokens,
+        labels: np.ndarray,
+        placeholders: list[tuple[int, MediaHandle]],
+    ) -> np.ndarray:
+        """``"precomputed"`` mode: one flag per character of the rendering, a token trained
+        iff every character it covers is. A text part's characters take its own flag; the
+        other characters a message owns (its end marker, tool calls) its marker flag (trainable
+        if any of its parts is, else by role); a media placeholder the role's unless the
+        message flags its parts; characters no message owns none, except inside a generation
+        block, where the block decides (its message's marker flag where it lies in a turn)."""
+        rendering = tokens.rendering
+        offsets = tokens.offsets
+        turns = conversation.turns
+        by_role = np.asarray([t.role in self.train_roles for t in turns], dtype=np.bool_)
+        flagged = [
+            [p.trainable for p in t.parts if p.media is None and p.trainable is not None]
+            for t in turns
+        ]
+        marker_of = np.asarray(
+            [any(f) if f else by_role[m] for m, f in enumerate(flagged)], dtype=np.bool_
+        )
+        owner, turn = tokens.char_owner, tokens.char_turn
+        fixed = np.zeros(len(rendering.text), dtype=np.bool_)  # a flag of its own
+        fixed_flag = np.zeros(len(rendering.text), dtype=np.bool_)
+        for value in rendering.values:
+            label = value.label
+            if isinstance(label, tuple) and len(label) == 2 and label[0] == "part":
+                part = turns[value.message].parts[label[1]]
+                fixed[value.start : value.end] = True
+                fixed_flag[value.start : value.end] = (
+                    by_role[value.message] if part.trainable is None else part.trainable
+                )
+        for t, _ in placeholders:
+            m = int(tokens.turn[t])
+            # media is not trained where the message marks its text per fragment
+            fixed[offsets[t, 0] : offsets[t, 1]] = True
+            fixed_flag[offsets[t, 0] : offsets[t, 1]] = by_role[m] and not flagged[m]
+        owned = np.where(owner >= 0, marker_of[owner.clip(0)], False)
+        # inside a block, text no message owns (a header the block holds) follows the turn
+        # it lies in, and text outside every turn the block alone
+        in_turn = np.where(turn >= 0, marker_of[turn.clip(0)], True)
+        char_flag = np.where(fixed, fixed_flag, owned)
+        block_flag = np.where(fixed, fixed_flag, np.where(owner >= 0, owned, in_turn))
+        covered = _all_set(char_flag, offsets)
+        in_block = _all_set(block_flag, offsets)
+        # a token with no text (none in a byte-level BPE) follows its owner's marker
+        empty = offsets[:, 1] <= offsets[:, 0]
+        owner_marker = np.where(tokens.owner >= 0, marker_of[tokens.owner.clip(0)], False)
+        covered = np.where(empty, owner_marker, covered)
+        if self.uses_generation_blocks:
+            return np.where(tokens.in_generation, in_block, covered & (labels >= 0))
+        return covered & (labels >= 0)
+
+
+def _all_set(char_flag: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """Per token: every character it covers is flagged."""
+    unset = np.concatenate([[0], np.cumsum(~char_flag)])
+    return unset[offsets[:, 1]] - unset[offsets[:, 0]] == 0
 
 
 def _match_placeholders(
@@ -522,17 +419,17 @@ def _check_flags_match_roles(conversation: Conversation, train_roles: Sequence[s
 def _expand(
     conversation: Conversation,
     ids: np.ndarray,
-    trainable: np.ndarray,
-    message_of: np.ndarray,
-    markup_span: np.ndarray,
+    trainable: np.ndarray | None,
+    labels: np.ndarray,
     placeholders: list[tuple[int, MediaHandle]],
     media: TemplateMedia,
     *,
     train_roles: Sequence[str],
-    precomputed: bool,
 ) -> EncodedConversation:
     """Replace each placeholder token by its expansion, carrying the placeholder's flag and
-    message along, and build the `EncodedConversation`."""
+    label along, and build the `EncodedConversation`: spans of consecutive tokens with one
+    label (a message's role, the generation role, or `TEMPLATE_MARKUP_ROLE`), and in
+    ``"precomputed"`` mode (`trainable` given) the loss mask."""
     pieces_ids: list[np.ndarray] = []
     pieces_index: list[np.ndarray] = []  # for each output token: the input token it came from
     handles: list[MediaHandle] = []
@@ -555,35 +452,21 @@ def _expand(
         prev = t + 1
     pieces_ids.append(src[prev:])
     pieces_index.append(np.arange(prev, len(ids), dtype=np.int64))
-    tokens = np.concatenate(pieces_ids) if pieces_ids else src
+    tokens = np.concatenate(pieces_ids)
     origin = np.concatenate(pieces_index)
-    flags = trainable[origin]
-    loss_mask = None
-    message_lengths: np.ndarray
-    roles: list[str]
+    label = labels[origin]
+    change = np.flatnonzero(np.diff(label)) + 1
+    starts = np.concatenate([[0], change]) if len(tokens) else np.zeros(0, dtype=np.int64)
+    ends = np.concatenate([change, [len(tokens)]]) if len(tokens) else starts
     turns = conversation.turns
-    if precomputed:
-        loss_mask = flags.view(np.int8)
-        message_lengths = np.bincount(message_of[origin], minlength=len(turns)).astype(np.int64)
-        roles = [t.role for t in turns]
-    else:
-        # spans: consecutive tokens of one message and one kind (in / outside the generation
-        # block), each with its role
-        span_key = message_of[origin] * 2 + markup_span[origin]
-        change = np.flatnonzero(np.diff(span_key)) + 1
-        starts = np.concatenate([[0], change]) if len(tokens) else np.zeros(0, dtype=np.int64)
-        ends = np.concatenate([change, [len(tokens)]]) if len(tokens) else starts
-        message_lengths = (ends - starts).astype(np.int64)
-        roles = [
-            TEMPLATE_MARKUP_ROLE if span_key[s] % 2 else turns[int(span_key[s] // 2)].role
-            for s in starts
-        ]
+    named = {-1: TEMPLATE_MARKUP_ROLE, -2: GENERATION_ROLE}
+    roles = [named[int(label[s])] if label[s] < 0 else turns[int(label[s])].role for s in starts]
     return EncodedConversation.validated_from(
         conversation,
         train_roles=train_roles,
         token_ids=tokens,
-        loss_mask=loss_mask,
-        message_lengths=message_lengths,
+        loss_mask=None if trainable is None else trainable[origin].view(np.int8),
+        message_lengths=(ends - starts).astype(np.int64),
         message_roles=roles,
         media=handles,
         media_units=units,

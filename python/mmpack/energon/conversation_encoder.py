@@ -76,4 +76,5 @@ def build_conversation_encoder(
         media=media,
         train_roles=config.train_roles,
         loss_mask_mode=config.loss_mask_mode,
+        processor=None if model_processor is None else model_processor.processor,
     )

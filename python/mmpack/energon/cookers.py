@@ -1,14 +1,21 @@
 """Cookers for the two source formats. Both are lazy: media stays a `MediaHandle`.
 
 * generic (subflavor ``mmpack_format: generic``): one WebDataset sample holds ``<key>.json`` with
-  ``messages[]`` (``role``, ``content`` with ``<image>`` / ``<video>`` / ``<audio>`` placeholders)
-  and a media manifest ``media[]`` (``name``, ``kind``, ``width``/``height`` (and ``frames``) or
-  ``duration``), plus one part per media item (``<key>.<name>``). Placeholders take manifest
-  entries in order; entries no placeholder takes are never read or decoded.
+  ``messages[]`` (``role``, ``content`` with ``<image>`` / ``<video>`` / ``<audio>`` placeholders;
+  a null or missing ``content`` is no text, as beside OpenAI ``tool_calls``) and a media manifest
+  ``media[]`` (``name``, ``kind``, ``width``/``height`` (and ``frames``) or ``duration``), plus
+  one part per media item (``<key>.<name>``). Placeholders take manifest entries in order;
+  entries no placeholder takes are never read or decoded.
 * fragments (subflavor ``mmpack_format: fragments``): ``<key>.json`` with
-  ``conversation[].fragments[]``; a fragment is ``{"text": ..., "trainable": bool}`` or
-  ``{"media": KEY, "kind": ..., ...metadata}``, and KEY is looked up in a separate media store,
-  the metadataset's auxiliary dataset ``media`` (e.g. ``aux: {media: filesystem://media}``).
+  ``conversation[].fragments[]``; a fragment is ``{"text": ..., "trainable": bool}`` (the flag
+  is required) or ``{"media": KEY, "kind": ..., ...metadata}``, and KEY is looked up in a
+  separate media store, the metadataset's auxiliary dataset ``media`` (e.g. ``aux: {media:
+  filesystem://media}``).
+
+Every other key of a message (generic) or turn (fragments), such as ``tool_calls``,
+``tool_call_id``, ``name`` or ``reasoning_content``, is kept as the turn's `Turn.fields`, in
+order and unchanged, for the chat template. A fragments turn may not have ``content`` (its text
+is its fragments) nor ``trainable`` (a flag of each text fragment).
 
 Media sources (see `mmpack.energon.media` for the identity rule): a generic item is named by
 its dataset's path (from the sample's Energon source info), shard, sample key and member; a
@@ -36,6 +43,17 @@ GENERIC = "generic"
 FRAGMENTS = "fragments"
 FORMAT_SUBFLAVOR = "mmpack_format"
 PLACEHOLDERS = {"<image>": "image", "<audio>": "audio", "<video>": "video"}
+#: keys of a generic message that make its turn's role and parts; the others are its fields
+_GENERIC_KEYS = frozenset({"role", "content"})
+#: keys of a fragments turn that make its role and parts; the others are its fields
+_FRAGMENTS_KEYS = frozenset({"role", "fragments"})
+#: keys a fragments turn may not have, and why: as fields they would pass for mmpack's own
+_FRAGMENTS_REFUSED = {
+    "content": "its text is its fragments, and a 'content' field would replace that text in "
+    "the message the chat template renders",
+    "trainable": "'trainable' is a flag of each text fragment; on the turn it would train "
+    "nothing differently",
+}
 _PLACEHOLDER_RE = re.compile("(" + "|".join(re.escape(p) for p in PLACEHOLDERS) + ")")
 
 
@@ -87,8 +105,10 @@ def cook_generic(raw: dict[str, Any], **_aux: Any) -> Conversation:
     for m_idx, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):
             raise SampleFormatError(f"sample {key!r}: message {m_idx} needs a string 'role'")
-        content = message.get("content", "")
-        if not isinstance(content, str):
+        content = message.get("content")
+        if content is None:
+            content = ""  # an assistant turn of only tool calls has null (or no) content
+        elif not isinstance(content, str):
             raise SampleFormatError(f"sample {key!r}: message {m_idx} 'content' must be a string")
         parts: list[Part] = []
         for piece in _PLACEHOLDER_RE.split(content):
@@ -133,7 +153,8 @@ def cook_generic(raw: dict[str, Any], **_aux: Any) -> Conversation:
                     )
                 )
             )
-        turns.append(Turn(role=message["role"], parts=tuple(parts)))
+        fields = {k: v for k, v in message.items() if k not in _GENERIC_KEYS}
+        turns.append(Turn(role=message["role"], parts=tuple(parts), fields=fields))
     return Conversation(**basic_sample_keys(raw), source_format=GENERIC, turns=turns)
 
 
@@ -154,6 +175,11 @@ def cook_fragments(raw: dict[str, Any], *, media: Any = None, **_aux: Any) -> Co
         fragments = turn.get("fragments")
         if not isinstance(fragments, list):
             raise SampleFormatError(f"sample {key!r}: turn {t_idx} needs a 'fragments' list")
+        for name, why in _FRAGMENTS_REFUSED.items():
+            if name in turn:
+                raise SampleFormatError(
+                    f"sample {key!r}: turn {t_idx} ({turn['role']}) has a {name!r} key: {why}"
+                )
         parts: list[Part] = []
         for f_idx, frag in enumerate(fragments):
             if not isinstance(frag, dict):
@@ -196,14 +222,23 @@ def cook_fragments(raw: dict[str, Any], *, media: Any = None, **_aux: Any) -> Co
                 )
             else:
                 text = frag.get("text")
-                trainable = frag.get("trainable", False)
-                if not isinstance(text, str) or not isinstance(trainable, bool):
+                where = f"sample {key!r}: turn {t_idx}, fragment {f_idx}"
+                if not isinstance(text, str):
+                    raise SampleFormatError(f"{where}: a text fragment needs 'text' (a string)")
+                # required: text the writer forgot to flag must not drop out of training unseen
+                if "trainable" not in frag:
                     raise SampleFormatError(
-                        f"sample {key!r}: fragment {t_idx}.{f_idx} needs 'text' (string) and "
-                        "'trainable' (bool)"
+                        f"{where}: a text fragment needs its 'trainable' flag (true or false); "
+                        "it has none"
+                    )
+                trainable = frag["trainable"]
+                if not isinstance(trainable, bool):
+                    raise SampleFormatError(
+                        f"{where}: 'trainable' must be true or false, not {trainable!r}"
                     )
                 parts.append(Part(text=text, trainable=trainable))
-        turns.append(Turn(role=turn["role"], parts=tuple(parts)))
+        fields = {k: v for k, v in turn.items() if k not in _FRAGMENTS_KEYS}
+        turns.append(Turn(role=turn["role"], parts=tuple(parts), fields=fields))
     return Conversation(**basic_sample_keys(raw), source_format=FRAGMENTS, turns=turns)
 
 

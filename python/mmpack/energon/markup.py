@@ -4,10 +4,11 @@ chat template, built for it): how a cooked `Conversation` becomes tokens, messag
 
 Layout per message: ``<|role|>`` + parts + ``<|end|>``; a media part expands to ``num_tokens``
 copies of its media token (``<image>``, ``<audio>``); text holding a media token is refused.
-Media stays lazy here: only its token count is read. In ``"precomputed"`` mode a text fragment
-is trainable per its own flag (or per role when it has none), media is not, and the role and end
-markers follow the message (trainable if any of its fragments is); the mask itself is built by
-`mmpack.batch.masks.from_fragments`.
+Media stays lazy here: only its token count is read. A turn with `Turn.fields` (``tool_calls``,
+``name``, ...) is refused: the markup has no place to write them. In ``"precomputed"`` mode a
+text fragment is trainable per its own flag (or per role when it has none), media is not, and
+the role and end markers follow the message (trainable if any of its fragments is); the mask
+itself is built by `mmpack.batch.masks.from_fragments`.
 """
 
 from __future__ import annotations
@@ -105,13 +106,22 @@ class MarkupEncoder:
         """Tokens, per-message lengths/roles and (in ``"precomputed"`` mode) the loss mask of one
         conversation, validated (`EncodedConversation.validated_from`).
 
-        Raises `SampleFormatError` naming the sample for an unknown role, and, when the mask
+        Raises `SampleFormatError` naming the sample for an unknown role, for a turn with
+        fields (the markup writes a turn's role and parts only), and, when the mask
         comes from roles (``loss_mask_mode=None``), for per-fragment ``trainable`` flags that
         contradict the roles (the roles would train the wrong tokens).
         """
         token_ids = self.token_ids
         train_roles = self.train_roles
         media_settings = self.media_settings
+        for index, turn in enumerate(conversation.turns):
+            if turn.fields:
+                raise SampleFormatError(
+                    f"sample {conversation.__key__!r}: turn {index} ({turn.role}) has "
+                    f"{', '.join(repr(k) for k in turn.fields)}, which mmpack's markup cannot "
+                    "render (it writes a turn's role and parts only); encode such samples with "
+                    "the tokenizer's chat template (conversation_format: chat_template)"
+                )
         texts = [p.text for t in conversation.turns for p in t.parts if p.media is None and p.text]
         encoded = self.tokenize(texts) if texts else []
         text_iter = iter(encoded)

@@ -10,7 +10,7 @@ The batch fields (``labels``, ``loss_mask``, ``token_mask``, ...) are those of t
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -24,7 +24,19 @@ if TYPE_CHECKING:
 
     from mmpack.batch.options import BatchOptionKeywords, BatchOptions
 
-__all__ = ["Conversation", "EncodedConversation", "Part", "SftBatch", "SftPack", "Turn"]
+__all__ = [
+    "Conversation",
+    "EncodedConversation",
+    "Part",
+    "SftBatch",
+    "SftPack",
+    "Turn",
+    "TurnFields",
+]
+
+#: Keys of a chat message that a turn holds as its `Turn.role` and `Turn.parts`; a field of the
+#: same name would replace them in the message the chat template renders.
+_MESSAGE_KEYS = ("role", "content")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,10 +48,96 @@ class Part:
     trainable: bool | None = None
 
 
+class TurnFields(Mapping[str, Any]):
+    """The keys of a turn's message other than its role and content (``tool_calls``,
+    ``tool_call_id``, ``name``, ``reasoning_content``, ...), in the message's order, for the chat
+    template. Read-only, JSON data only (str, int, float, bool, None, lists, dicts with str
+    keys; copied from what it is given), hashable and picklable: a `Turn` is part of an Energon
+    sample, which is pickled to the loader's workers. The lists and dicts inside are the
+    template's input as they are: read them, do not change them.
+
+    Raises ``TypeError`` for a key that is not a string or a value that is not JSON data, and
+    ``ValueError`` for ``role`` or ``content`` (the turn's own role and parts)."""
+
+    __slots__ = ("_data",)
+
+    def __init__(self, items: Mapping[str, Any] | Iterable[tuple[str, Any]] = ()) -> None:
+        data: dict[str, Any] = {}
+        for key, value in dict(items).items():
+            if not isinstance(key, str):
+                raise TypeError(f"Turn fields: keys must be strings, got {key!r}")
+            if key in _MESSAGE_KEYS:
+                raise ValueError(
+                    f"Turn fields: {key!r} is the turn's own (its role and parts make the "
+                    "message's role and content); a field may not replace it"
+                )
+            data[key] = _json_copy(value, key)
+        self._data = data
+
+    def __getitem__(self, key: str) -> Any:
+        return self._data[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._data)
+
+    def __len__(self) -> int:
+        return len(self._data)
+
+    def __repr__(self) -> str:
+        return f"TurnFields({self._data!r})"
+
+    def __hash__(self) -> int:
+        return hash(_hashable(self._data))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (TurnFields, (self._data,))
+
+
+def _json_copy(value: Any, key: str) -> Any:
+    """A copy of `value`, which must be JSON data (the type names the field `key` otherwise)."""
+    if value is None or isinstance(value, (str, int, float)):
+        return value
+    if isinstance(value, list):
+        return [_json_copy(v, key) for v in value]
+    if isinstance(value, dict):
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, str):
+                raise TypeError(f"Turn field {key!r}: keys must be strings, got {k!r}")
+            out[k] = _json_copy(v, key)
+        return out
+    raise TypeError(
+        f"Turn field {key!r} holds a {type(value).__name__}; fields are JSON data (str, int, "
+        "float, bool, None, lists and dicts with string keys)"
+    )
+
+
+def _hashable(value: Any) -> Any:
+    # equal JSON data hash equal: a dict's order does not count, as for its equality
+    if isinstance(value, list):
+        return tuple(_hashable(v) for v in value)
+    if isinstance(value, dict):
+        return frozenset((k, _hashable(v)) for k, v in value.items())
+    return value
+
+
+_NO_FIELDS = TurnFields()
+
+
 @dataclasses.dataclass(frozen=True)
 class Turn:
+    """One message: its role, its parts (text and media, in order) and its other keys."""
+
     role: str
     parts: tuple[Part, ...]
+    #: the message's keys other than role and content, handed to the chat template unchanged
+    #: (any mapping given is made a `TurnFields`)
+    fields: Mapping[str, Any] = _NO_FIELDS
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.fields, TurnFields):
+            fields = TurnFields(self.fields) if self.fields else _NO_FIELDS
+            object.__setattr__(self, "fields", fields)
 
 
 @edataclass

@@ -4,7 +4,8 @@ processor's own arithmetic (see the `mmpack.energon.processors` package docstrin
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import contextlib
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from mmpack.energon.chat_template import TemplateMedia
@@ -20,7 +21,13 @@ from mmpack.energon.processors.families import (
 from mmpack.energon.processors.pixels import open_image
 from mmpack.energon.processors.probe import Expansion, check_probe, run_probe
 from mmpack.energon.processors.video import video_frames
-from mmpack.errors import MediaTokenCountError, ModalityConfigError, SampleFormatError
+from mmpack.errors import (
+    MediaTokenCountError,
+    MmpackError,
+    ModalityConfigError,
+    SampleFormatError,
+    UncountableMediaError,
+)
 
 __all__ = ["ModelProcessor", "is_model_processor"]
 
@@ -140,7 +147,9 @@ class ModelProcessor:
         rule = self.unit_rule
         if rule is None:
             raise self._no_unit_rule()
-        return int(rule.before(self, handle.kind, self.size_of(handle), tokens))
+        size = self.size_of(handle)
+        with self._counting(handle, size):
+            return int(rule.before(self, handle.kind, size, tokens))
 
     def _no_unit_rule(self) -> ModalityConfigError:
         return ModalityConfigError(
@@ -229,8 +238,27 @@ class ModelProcessor:
         raise SampleFormatError(f"sample {handle.sample_key!r}: unknown media kind {handle.kind!r}")
 
     def count(self, handle: MediaHandle) -> int:
-        """Tokens `handle` takes, from its metadata or header (nothing decoded)."""
-        return self.count_for_size(handle.kind, self.size_of(handle))
+        """Tokens `handle` takes, from its metadata or header (nothing decoded). Raises
+        `UncountableMediaError` when the processor refuses the item's size."""
+        size = self.size_of(handle)
+        with self._counting(handle, size):
+            return self.count_for_size(handle.kind, size)
+
+    @contextlib.contextmanager
+    def _counting(self, handle: MediaHandle, size: tuple[int, ...]) -> Iterator[None]:
+        """Errors the processor's own arithmetic raises for `handle` (a size beyond its limits)
+        as `UncountableMediaError` naming the sample and the item; mmpack's own errors pass."""
+        try:
+            yield
+        except MmpackError:
+            raise
+        except Exception as err:
+            raise UncountableMediaError(
+                f"sample {handle.sample_key!r}: the processor {self.name} cannot count the "
+                f"tokens of {handle.kind} {handle.key!r} ({handle.identity}) of size "
+                f"{_size_text(handle.kind, size)} ({_declared(handle)}): "
+                f"{type(err).__name__}: {err}; the sample is not packed"
+            ) from err
 
     # ------------------------------------------------------------------ decoding
 
@@ -316,3 +344,14 @@ def _declared(handle: MediaHandle) -> str:
     }.get(handle.kind, ())
     declared = {f: meta[f] for f in fields if f in meta}
     return f"declared {declared}" if declared else "from the file's header"
+
+
+def _size_text(kind: str, size: tuple[int, ...]) -> str:
+    """`size` as `ModelProcessor.size_of` gives it, written width x height."""
+    if kind == "image":
+        height, width = size
+        return f"{width}x{height}"
+    if kind == "video":
+        frames, height, width = size
+        return f"{frames} frames of {width}x{height}"
+    return f"{size[0]} samples"

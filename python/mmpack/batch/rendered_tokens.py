@@ -1,0 +1,107 @@
+"""`RenderedTokens`: the tokens of one chat-template rendering, and what each belongs to.
+
+The roles rule (templates without ``{% generation %}`` blocks, and the messages a template with
+blocks leaves outside them). A message owns:
+
+* every character its own values produced (`mmpack.batch.templates.Rendering.values`): its
+  text, tool calls, reasoning, wherever the template put them (a system prompt the template
+  renders inside the first user turn stays the system message's);
+* the rest of its turn from its first value on: what the template closes the turn with (its
+  end-of-turn token) and writes between its values.
+
+Nothing else belongs to a message: role headers, a default system prompt or date line the
+template injects, separators, the text before the first turn. A token belongs to a message
+only when every character it covers does. So injected text is never trained, whatever the
+message it was injected beside.
+
+With generation blocks, a token is in a block exactly as transformers'
+``return_assistant_tokens_mask`` says (it overlaps a block), and the messages whose turn holds
+a block, and every ``assistant`` message, train only through blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from mmpack.batch.templates import Rendering
+
+__all__ = ["GENERATION_ROLE", "RenderedTokens"]
+
+#: The role whose output ``{% generation %}`` blocks mark.
+GENERATION_ROLE = "assistant"
+
+
+class RenderedTokens:
+    """Per token of a rendering tokenized with character offsets (``(n, 2)``, as a fast
+    tokenizer's ``offsets``): `owner` (the message that owns every character of it, or -1),
+    `turn` (the message whose turn holds its first character, or -1) and `in_generation`."""
+
+    def __init__(self, rendering: Rendering, offsets: np.ndarray, n_messages: int) -> None:
+        self.rendering = rendering
+        self.offsets = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
+        self.n_messages = n_messages
+        size = len(rendering.text)
+        #: per character: the message whose turn holds it, or -1
+        self.char_turn = np.full(size, -1, dtype=np.int64)
+        #: per character: the message that owns it (module docstring), or -1
+        self.char_owner = np.full(size, -1, dtype=np.int64)
+        value_starts: dict[int, list[int]] = {}
+        for v in rendering.values:
+            value_starts.setdefault(v.message, []).append(v.start)
+        for m, (a, b) in enumerate(rendering.turns):
+            if a < 0:
+                continue
+            self.char_turn[a:b] = m
+            inside = [s for s in value_starts.get(m, ()) if a <= s <= b]
+            if inside:
+                self.char_owner[min(inside) : b] = m
+        for v in rendering.values:
+            self.char_owner[v.start : v.end] = v.message
+        starts, ends = self.offsets[:, 0], self.offsets[:, 1]
+        last = np.maximum(ends - 1, starts).clip(0, max(size - 1, 0))
+        if size:
+            runs = np.concatenate([[0], np.cumsum(np.diff(self.char_owner) != 0)])
+            whole = runs[starts.clip(0, size - 1)] == runs[last]
+            self.owner = np.where(whole, self.char_owner[starts.clip(0, size - 1)], -1)
+            self.turn = self.char_turn[starts.clip(0, size - 1)]
+        else:
+            self.owner = np.full(len(starts), -1, dtype=np.int64)
+            self.turn = self.owner.copy()
+        self.in_generation = _overlaps(rendering.generation, starts, ends)
+
+    def generation_messages(self, roles: Sequence[str], uses_blocks: bool) -> np.ndarray:
+        """Per message: it trains only through generation blocks, when the template has
+        them: an ``assistant`` message, or one whose turn holds a block token."""
+        out = np.zeros(self.n_messages, dtype=np.bool_)
+        if not uses_blocks:
+            return out
+        out |= np.asarray([r == GENERATION_ROLE for r in roles], dtype=np.bool_)
+        held = self.turn[self.in_generation]
+        out[held[held >= 0]] = True
+        return out
+
+    def role_labels(self, roles: Sequence[str], uses_blocks: bool) -> np.ndarray:
+        """Per token, the message whose role decides whether it trains, or -1 (never
+        trained): a block token its turn's message (-2 outside every turn: the generation
+        role decides), any other token its owner unless that owner trains only through
+        blocks."""
+        only_blocks = self.generation_messages(roles, uses_blocks)
+        owner = self.owner
+        label = np.where((owner >= 0) & ~only_blocks[owner.clip(0)], owner, -1)
+        return np.where(self.in_generation, np.where(self.turn >= 0, self.turn, -2), label)
+
+
+def _overlaps(spans: Sequence[tuple[int, int]], starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
+    """Tokens overlapping a span, by transformers' rule for ``assistant_masks``: the first span
+    not ended by the token's start must begin before the token's end."""
+    if not spans:
+        return np.zeros(len(starts), dtype=np.bool_)
+    span_starts = np.asarray([s for s, _ in spans], dtype=np.int64)
+    span_ends = np.asarray([e for _, e in spans], dtype=np.int64)
+    first = np.searchsorted(span_ends, starts, side="right")
+    inside = first < len(spans)
+    out = np.zeros(len(starts), dtype=np.bool_)
+    out[inside] = ends[inside] > span_starts[first[inside]]
+    return out

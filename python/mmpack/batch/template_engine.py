@@ -1,0 +1,183 @@
+"""The Jinja side of `mmpack.batch.templates.render`: a chat template compiled as transformers
+compiles it for ``apply_chat_template``, with three additions that leave the rendering
+unchanged: ``{% generation %}`` blocks mark their text, ``~``, ``| join`` and output buffers keep
+the marks of traced values (`mmpack.batch.traced_text`), and every loop iteration whose item is
+one of the rendered messages marks where it starts and ends."""
+
+from __future__ import annotations
+
+import functools
+import json
+from contextvars import ContextVar
+from datetime import datetime
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.utils
+from jinja2 import nodes
+from jinja2.compiler import CodeGenerator, Frame
+from jinja2.filters import make_attrgetter
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+from mmpack.batch.traced_text import TracedStr, traced_join
+from mmpack.errors import ChatTemplateError
+
+__all__ = ["MESSAGES", "compiled"]
+
+_GENERATION = ("generation",)
+
+#: the messages of the render running in this context: id of the traced dict -> index
+#: the render running in this context: id of a rendered message -> its index, and id of a
+#: list or dict inside a message (a tool call, a content item) -> the message's index
+MESSAGES: ContextVar[tuple[dict[int, int], dict[int, int]] | None] = ContextVar(
+    "mmpack_template_messages", default=None
+)
+_ITERATION_START = "mmpack_iteration_start"
+_ITERATION_END = "mmpack_iteration_end"
+
+
+def _iteration_mark(edge: str, item: Any) -> str:
+    """An empty string marking where a loop iteration over a message (a turn) or over one of
+    a message's own items (a tool call, a content item) starts or ends; "" for other items."""
+    state = MESSAGES.get()
+    if state is None:
+        return ""
+    messages, items = state
+    m = messages.get(id(item))
+    if m is not None:
+        return TracedStr("", [(0, 0, (f"turn-{edge}", m))])
+    m = items.get(id(item))
+    if m is not None:
+        return TracedStr("", [(0, 0, (f"item-{edge}", m))])
+    return ""
+
+
+class _Generation(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}``: the block's text, marked."""
+
+    tags = {"generation"}  # noqa: RUF012 (Jinja's own class attribute)
+
+    def parse(self, parser: Any) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return nodes.CallBlock(self.call_method("_mark"), [], [], body).set_lineno(lineno)
+
+    def _mark(self, caller: Any) -> str:
+        text = caller()
+        marks = text.marks if isinstance(text, TracedStr) else ()
+        return TracedStr(text, [*marks, (0, len(text), _GENERATION)])
+
+
+class _TracingCodeGenerator(CodeGenerator):
+    """Jinja's code generator with ``~`` joining through `traced_join` (marks kept)."""
+
+    def visit_Concat(self, node: nodes.Concat, frame: Frame) -> None:
+        self.write("environment.traced_join((")
+        for arg in node.nodes:
+            self.visit(arg, frame)
+            self.write(", ")
+        self.write("))")
+
+
+class _Namespace(jinja2.utils.Namespace):
+    """Jinja's ``namespace`` refusing underscore names, as transformers' sandbox does."""
+
+    def __init__(*args: Any, **kwargs: Any) -> None:
+        self, rest = args[0], args[1:]
+        attrs = dict(*rest, **kwargs)
+        for name in attrs:
+            _Namespace._check(name)
+        jinja2.utils.Namespace.__init__(self, attrs)
+
+    def __setitem__(self, name: str, value: Any) -> None:
+        _Namespace._check(name)
+        jinja2.utils.Namespace.__setitem__(self, name, value)
+
+    @staticmethod
+    def _check(name: Any) -> None:
+        if isinstance(name, str) and name.startswith("_"):
+            raise jinja2.exceptions.SecurityError(
+                f"a chat template may not store the underscore name {name!r} on a namespace"
+            )
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(
+    x: Any,
+    ensure_ascii: bool = False,
+    indent: Any = None,
+    separators: Any = None,
+    sort_keys: bool = False,
+) -> str:
+    # transformers' tojson: no HTML escaping, json.dumps' options
+    return json.dumps(
+        x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+@jinja2.pass_environment
+def _join(environment: Any, value: Any, d: str = "", attribute: Any = None) -> str:
+    # Jinja's ``join`` filter with the marks of traced items kept
+    if attribute is not None:
+        value = map(make_attrgetter(environment, attribute), value)
+    pieces: list[Any] = []
+    for i, item in enumerate(value):
+        if i:
+            pieces.append(d)
+        pieces.append(item)
+    return traced_join(pieces)
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True,
+        lstrip_blocks=True,
+        extensions=[_Generation, jinja2.ext.loopcontrols],
+    )
+    env.code_generator_class = _TracingCodeGenerator
+    env.concat = traced_join  # type: ignore[method-assign]  # output buffers keep marks
+    env.traced_join = traced_join  # type: ignore[attr-defined]
+    env.filters["tojson"] = _tojson
+    env.filters["join"] = _join
+    env.globals.update(
+        raise_exception=_raise_exception,
+        strftime_now=_strftime_now,
+        namespace=_Namespace,
+        **{
+            _ITERATION_START: functools.partial(_iteration_mark, "start"),
+            _ITERATION_END: functools.partial(_iteration_mark, "end"),
+        },
+    )
+    return env
+
+
+@functools.lru_cache(maxsize=32)
+def compiled(template: str) -> jinja2.Template:
+    """`template` compiled with a mark at the start and end of every loop iteration (the marks
+    are empty strings: the rendering is unchanged)."""
+    env = _environment()
+    try:
+        tree = env.parse(template)
+        for loop in list(tree.find_all(nodes.For)):
+            if not isinstance(loop.target, nodes.Name):
+                continue
+            item = nodes.Name(loop.target.name, "load")
+            for name, at in ((_ITERATION_START, 0), (_ITERATION_END, len(loop.body) + 1)):
+                call = nodes.Call(nodes.Name(name, "load"), [item], [], None, None)
+                loop.body.insert(
+                    at, nodes.Output([call]).set_lineno(loop.lineno).set_environment(env)
+                )
+        code = env.compile(tree)
+    except jinja2.exceptions.TemplateError as err:
+        raise ChatTemplateError(
+            f"the chat template does not compile ({type(err).__name__}: {err})"
+        ) from err
+    return env.template_class.from_code(env, code, env.make_globals(None))
