@@ -11,7 +11,8 @@ Qwen2-VL and Qwen3 (reasoning kept after the last user query):
   the checks it makes per sample), in precomputed mode.
 
 Before timing, tokens and mask of ``masks`` and ``energon`` are checked equal to ``hf``'s.
-Reported: median seconds and the ratio mmpack / hf (<= 1.0 is the goal at every length).
+Reported: median seconds (the three interleaved in each repeat; short conversations are
+repeated more) and the ratio mmpack / hf (<= 1.0 is the goal at every length).
 
 Usage: ``python benches/bench_chat_template.py [--quick] [--repeats N]``. Prints a markdown
 table and writes ``bench-results/bench_chat_template.json``.
@@ -34,17 +35,21 @@ from mmpack.energon.samples import Conversation, Part, Turn
 from mmpack_dev.chat_conversations import turns as conversation_of
 from mmpack_dev.chat_templates import family_tokenizer
 
-FAMILIES = ("qwen2_vl", "qwen3")
+FAMILIES = ("qwen2_vl", "qwen3", "llama3_1")
 
 
-def _median(fn: Callable[[], Any], repeats: int) -> float:
-    fn()  # warm-up (compiles the template on both sides)
-    times = []
+def _medians(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float]:
+    """Median seconds of each function, the functions interleaved in every repeat (so a
+    change in the machine's load hits all of them alike)."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for name, fn in fns.items():
+        fn()  # warm-up (compiles the template on both sides)
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def _cooked(messages: list[dict[str, Any]]) -> Conversation:
@@ -87,19 +92,26 @@ def _row(family: str, n: int, repeats: int) -> dict[str, Any]:
     ).tolist() != mask.tolist():
         raise SystemExit(f"{family} {n} turns: the Energon encoder differs from hf")
     row: dict[str, Any] = {"family": family, "turns": n, "tokens": len(ids)}
-    row["hf"] = _median(hf, repeats)
-    row["masks"] = _median(lambda: masks.from_chat_template(tok, messages), repeats)
-    row["energon"] = _median(lambda: enc.encode_conversation(conv), repeats)
+    row.update(
+        _medians(
+            {
+                "hf": hf,
+                "masks": lambda: masks.from_chat_template(tok, messages),
+                "energon": lambda: enc.encode_conversation(conv),
+            },
+            max(repeats, 1000 // max(n, 1)),
+        )
+    )
     return row
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--quick", action="store_true", help="1 to 200 turns, 3 repeats")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--quick", action="store_true", help="1 to 200 turns, 5 repeats")
+    parser.add_argument("--repeats", type=int, default=9)
     args = parser.parse_args()
     lengths = [1, 10, 50, 200] if args.quick else [1, 10, 50, 200, 500, 1000, 2000]
-    repeats = 3 if args.quick else args.repeats
+    repeats = 5 if args.quick else args.repeats
     rows = [_row(f, n, repeats) for f in FAMILIES for n in lengths]
     print("| template | turns | tokens | hf (s) | masks (s) | energon (s) | masks / hf | energon / hf |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")

@@ -30,7 +30,7 @@ from mmpack._coerce import (
     token_count,
 )
 from mmpack.batch import templates
-from mmpack.batch.rendered_tokens import GENERATION_ROLE, RenderedTokens
+from mmpack.batch.rendered_tokens import GENERATION_ROLE, RenderedTokens, token_offsets
 from mmpack.errors import ChatTemplateError
 
 __all__ = [
@@ -148,9 +148,9 @@ def from_chat_template(
     (`mmpack.batch.templates.render`; linear in its length, for any template):
 
     * Tokens in the template's ``{% generation %}`` blocks are exactly those of
-      ``apply_chat_template(..., return_assistant_tokens_mask=True)``; they train when their
-      message's role (``assistant`` outside any message) is in ``train_roles``. An
-      ``assistant`` message trains only through blocks when the template has them.
+      ``apply_chat_template(..., return_assistant_tokens_mask=True)``; they train when
+      ``assistant`` is in ``train_roles``. An ``assistant`` message trains only through blocks
+      when the template has them.
     * Every other token trains when the message that owns it has its role in
       ``train_roles``, by the roles rule of `mmpack.batch.rendered_tokens`: a message owns
       what its values rendered and the rest of its turn from its first value on (its
@@ -171,11 +171,17 @@ def from_chat_template(
             f"from_chat_template needs a fast tokenizer (token offsets); "
             f"{type(tokenizer).__name__} has none"
         )
-    rendering = templates.render(template, msgs, variables=templates.template_variables(tokenizer))
-    encoding = backend.encode(rendering.text, add_special_tokens=False)
-    tokens = RenderedTokens(rendering, np.asarray(encoding.offsets), len(msgs))
     msg_roles = [str(m.get("role", "")) for m in msgs]
-    labels = tokens.role_labels(msg_roles, templates.has_generation_markers(template))
+    uses_blocks = templates.has_generation_markers(template)
+    rendering = templates.render(
+        template,
+        msgs,
+        variables=templates.template_variables(tokenizer),
+        trace_values=RenderedTokens.needs_values(msg_roles, roles, uses_blocks),
+    )
+    encoding = backend.encode(rendering.text, add_special_tokens=False)
+    tokens = RenderedTokens(rendering, token_offsets(encoding), len(msgs))
+    labels = tokens.role_labels(msg_roles, uses_blocks)
     # labels: -2 (a block outside every turn), -1 (never), or the deciding message
     trains = np.asarray(
         [GENERATION_ROLE in roles, False, *(r in roles for r in msg_roles)], dtype=np.bool_

@@ -15,19 +15,22 @@ only when every character it covers does. So injected text is never trained, wha
 message it was injected beside.
 
 With generation blocks, a token is in a block exactly as transformers'
-``return_assistant_tokens_mask`` says (it overlaps a block), and the messages whose turn holds
-a block, and every ``assistant`` message, train only through blocks.
+``return_assistant_tokens_mask`` says (it overlaps a block) and trains when the generation role
+(``assistant``) does; the messages whose turn holds a block, and every ``assistant`` message,
+train only through blocks.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
 from mmpack.batch.templates import Rendering
 
-__all__ = ["GENERATION_ROLE", "RenderedTokens"]
+__all__ = ["GENERATION_ROLE", "RenderedTokens", "token_offsets"]
 
 #: The role whose output ``{% generation %}`` blocks mark.
 GENERATION_ROLE = "assistant"
@@ -83,14 +86,31 @@ class RenderedTokens:
         return out
 
     def role_labels(self, roles: Sequence[str], uses_blocks: bool) -> np.ndarray:
-        """Per token, the message whose role decides whether it trains, or -1 (never
-        trained): a block token its turn's message (-2 outside every turn: the generation
-        role decides), any other token its owner unless that owner trains only through
-        blocks."""
+        """Per token, what decides whether it trains: -2 for a block token (the generation
+        role: the template's author marked it, as ``return_assistant_tokens_mask`` reads
+        it), the owning message for any other token unless that message trains only
+        through blocks, else -1 (never trained)."""
         only_blocks = self.generation_messages(roles, uses_blocks)
         owner = self.owner
         label = np.where((owner >= 0) & ~only_blocks[owner.clip(0)], owner, -1)
-        return np.where(self.in_generation, np.where(self.turn >= 0, self.turn, -2), label)
+        return np.where(self.in_generation, -2, label)
+
+    @staticmethod
+    def needs_values(roles: Sequence[str], train_roles: Sequence[str], uses_blocks: bool) -> bool:
+        """Whether deciding the tokens needs the messages' values traced: not when blocks
+        decide everything that trains (no message of a role to train other than the
+        generation role)."""
+        return not uses_blocks or any(r in train_roles and r != GENERATION_ROLE for r in roles)
+
+
+def token_offsets(encoding: Any) -> np.ndarray:
+    """A `tokenizers.Encoding`'s character offsets as an ``(n, 2)`` int64 array (read
+    without building an array of tuples)."""
+    offsets = encoding.offsets
+    flat = np.fromiter(
+        itertools.chain.from_iterable(offsets), dtype=np.int64, count=2 * len(offsets)
+    )
+    return flat.reshape(-1, 2)
 
 
 def _overlaps(spans: Sequence[tuple[int, int]], starts: np.ndarray, ends: np.ndarray) -> np.ndarray:

@@ -43,13 +43,13 @@ def _iteration_mark(edge: str, item: Any) -> str:
     state = MESSAGES.get()
     if state is None:
         return ""
-    messages, items = state
-    m = messages.get(id(item))
+    key = id(item)
+    m = state[0].get(key)
     if m is not None:
-        return TracedStr("", [(0, 0, (f"turn-{edge}", m))])
-    m = items.get(id(item))
+        return TracedStr("", ((0, 0, ("turn-" + edge, m)),))
+    m = state[1].get(key)
     if m is not None:
-        return TracedStr("", [(0, 0, (f"item-{edge}", m))])
+        return TracedStr("", ((0, 0, ("item-" + edge, m)),))
     return ""
 
 
@@ -147,14 +147,11 @@ def _environment() -> ImmutableSandboxedEnvironment:
     env.traced_join = traced_join  # type: ignore[attr-defined]
     env.filters["tojson"] = _tojson
     env.filters["join"] = _join
+    # filters, not globals: Jinja calls a filter directly, a global through the sandbox
+    env.filters[_ITERATION_START] = functools.partial(_iteration_mark, "start")
+    env.filters[_ITERATION_END] = functools.partial(_iteration_mark, "end")
     env.globals.update(
-        raise_exception=_raise_exception,
-        strftime_now=_strftime_now,
-        namespace=_Namespace,
-        **{
-            _ITERATION_START: functools.partial(_iteration_mark, "start"),
-            _ITERATION_END: functools.partial(_iteration_mark, "end"),
-        },
+        raise_exception=_raise_exception, strftime_now=_strftime_now, namespace=_Namespace
     )
     return env
 
@@ -171,7 +168,7 @@ def compiled(template: str) -> jinja2.Template:
                 continue
             item = nodes.Name(loop.target.name, "load")
             for name, at in ((_ITERATION_START, 0), (_ITERATION_END, len(loop.body) + 1)):
-                call = nodes.Call(nodes.Name(name, "load"), [item], [], None, None)
+                call = nodes.Filter(item, name, [], [], None, None)
                 loop.body.insert(
                     at, nodes.Output([call]).set_lineno(loop.lineno).set_environment(env)
                 )

@@ -22,6 +22,7 @@ Cost is linear in the conversation: one render, a pass over its output.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import re
 from collections.abc import Hashable, Mapping, Sequence
 from typing import Any
@@ -103,12 +104,14 @@ def render(
     *,
     variables: Mapping[str, Any],
     sample_id: Hashable | None = None,
+    trace_values: bool = True,
 ) -> Rendering:
     """Render `messages` with `template` once (module docstring). String values the caller
     passes as `TracedStr` keep their marks' labels; other strings are labelled by their key
     path (``("content",)``, ``("content", 0, "text")``, ``("tool_calls", 0, "function",
     "name")``). Raises `ChatTemplateError` naming the sample when the template does not compile
-    or fails (``raise_exception`` included)."""
+    or fails (``raise_exception`` included). Without `trace_values` the values are plain
+    strings (no `Rendering.values`; faster), for callers that need only blocks and turns."""
     from mmpack.batch import template_engine  # Jinja is needed only to render
 
     where = "" if sample_id is None else f"sample {sample_id!r}: "
@@ -117,26 +120,26 @@ def render(
     for m, message in enumerate(messages):
         if not isinstance(message, Mapping):
             raise ChatTemplateError(f"{where}message {m} is {type(message).__name__}, not a dict")
-        traced.append(_traced_message(message, m))
+        traced.append(_traced_message(message, m, trace_values))
     items = {id(c): m for m, message in enumerate(traced) for c in _containers(message)}
     token = template_engine.MESSAGES.set(
         ({id(message): m for m, message in enumerate(traced)}, items)
     )
-    chunks: list[str] = []
-    marks: list[tuple[int, int, Any]] = []
-    at = 0
     try:
-        for chunk in compiled.generate(**{**variables, "messages": traced}):
-            if isinstance(chunk, TracedStr):
-                marks.extend((at + s, at + e, label) for s, e, label in chunk.marks)
-            chunks.append(chunk)
-            at += len(chunk)
+        chunks = list(compiled.generate(**{**variables, "messages": traced}))
     except Exception as err:
         raise ChatTemplateError(
             f"{where}the chat template failed to render ({type(err).__name__}: {err})"
         ) from err
     finally:
         template_engine.MESSAGES.reset(token)
+    at = list(itertools.accumulate(map(len, chunks), initial=0))
+    marks = [
+        (at[i] + s, at[i] + e, label)
+        for i, kind in enumerate(map(type, chunks))
+        if kind is TracedStr
+        for s, e, label in chunks[i].marks
+    ]
     return _rendering("".join(chunks), marks, len(traced))
 
 
@@ -201,12 +204,24 @@ def _plain(value: Any) -> Any:
     return f"<{type(value).__name__}>"
 
 
-def _traced_message(message: Mapping[str, Any], m: int) -> dict[str, Any]:
+def _traced_message(message: Mapping[str, Any], m: int, trace: bool) -> dict[str, Any]:
     fields = {str(k): _plain(v) for k, v in message.items() if v is not None}
     reasoning = next((fields[k] for k in _REASONING_KEYS if fields.get(k) is not None), None)
     if reasoning is not None:
         fields = {"thinking": reasoning, **fields, "reasoning_content": reasoning}
+    if not trace:
+        return {k: _untraced(v) for k, v in fields.items()}
     return {k: v if k == "role" else _trace(v, m, (k,)) for k, v in fields.items()}
+
+
+def _untraced(value: Any) -> Any:
+    if isinstance(value, str):
+        return str.__str__(value)
+    if isinstance(value, dict):
+        return {k: _untraced(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_untraced(v) for v in value)
+    return value
 
 
 def _containers(value: Any) -> list[Any]:

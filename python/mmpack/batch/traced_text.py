@@ -85,8 +85,11 @@ def traced_join(pieces: Iterable[Any]) -> str:
     marks: list[Mark] = []
     at = 0
     for part in parts:
-        if isinstance(part, TracedStr):
-            marks.extend((at + s, at + e, label) for s, e, label in part.marks)
+        if type(part) is TracedStr:
+            if at:
+                marks.extend([(at + s, at + e, label) for s, e, label in part.marks])
+            else:
+                marks.extend(part.marks)
         at += len(part)
     return TracedStr(text, marks) if marks else text
 

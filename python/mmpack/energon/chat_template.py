@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 
 from mmpack.batch import templates
-from mmpack.batch.rendered_tokens import GENERATION_ROLE, RenderedTokens
+from mmpack.batch.rendered_tokens import GENERATION_ROLE, RenderedTokens, token_offsets
 from mmpack.batch.traced_text import TracedStr, traced_join
 from mmpack.energon.markup import MEDIA_TOKENS
 from mmpack.energon.media import MediaHandle, MediaSettings
@@ -236,29 +236,41 @@ class ChatTemplateEncoder:
         if not turns:
             raise SampleFormatError(f"sample {key!r} has no turns")
         messages = hf_messages(conversation, list_content=media.list_content)
+        roles = [t.role for t in turns]
+        precomputed = self.loss_mask_mode == "precomputed"
+        # fragment flags decide characters of their own only in precomputed mode
+        flags = precomputed and any(p.trainable is not None for t in turns for p in t.parts)
         rendering = templates.render(
-            self.template, messages, variables=self.variables, sample_id=key
+            self.template,
+            messages,
+            variables=self.variables,
+            sample_id=key,
+            trace_values=flags
+            or RenderedTokens.needs_values(roles, train_roles, self.uses_generation_blocks),
         )
         full = rendering.text
         encoding = self.backend.encode(full, add_special_tokens=False)
         ids = np.asarray(encoding.ids, dtype=np.int64)
-        offsets = np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2)
+        offsets = token_offsets(encoding)
         tokens = RenderedTokens(rendering, offsets, len(turns))
-        roles = [t.role for t in turns]
         labels = tokens.role_labels(roles, self.uses_generation_blocks)
 
-        precomputed = self.loss_mask_mode == "precomputed"
         if not precomputed:
             _check_flags_match_roles(conversation, train_roles)
         if not self.uses_generation_blocks:
             self._check_texts_located(conversation, rendering)
         # a media item's placeholder is looked for in its message's turn
         placeholders = _match_placeholders(conversation, ids, tokens.turn, media, full, offsets)
-        trainable = (
-            self._precomputed_mask(conversation, tokens, labels, placeholders)
-            if precomputed
-            else None
-        )
+        trainable = None
+        if flags:
+            trainable = self._precomputed_mask(conversation, tokens, labels, placeholders)
+        elif precomputed:
+            # no fragment flags: the roles rule, as in roles mode
+            trains = np.asarray(
+                [GENERATION_ROLE in train_roles, False, *(r in train_roles for r in roles)],
+                dtype=np.bool_,
+            )
+            trainable = trains[labels + 2]
         return _expand(
             conversation,
             ids,
