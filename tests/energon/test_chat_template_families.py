@@ -1,0 +1,185 @@
+"""Chat templates of six model families, as released and generation-marked, on the real Qwen2
+vocabulary (each family's control tokens added), against their consumer:
+
+* Qwen2-VL (list contents with images and videos), Qwen2.5 (tool calls, parallel tool results
+  grouped into one turn, a default system prompt), Qwen3 (reasoning kept only after the last
+  user query), Llama 3.1 (content trimmed, a date header), Gemma 3 (the system message rendered
+  inside the first user turn) and OLMo 2 / Tulu (a suffix only when a turn is not the last).
+* With generation blocks: tokens and mask of ``masks.from_chat_template`` and of the Energon
+  encoder, in both mask modes, equal ``apply_chat_template(..., return_assistant_tokens_mask=
+  True)``'s, on drawn multi-turn conversations.
+* Without: the roles rule holds character by character against `reference.chat_roles`, which
+  derives each character's owner from transformers' own rendering; no header or injected
+  text is ever trained.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from mmpack.batch import masks
+from mmpack.energon import PackingEncoderConfig, PackingTaskEncoder
+from mmpack.energon.samples import Conversation, Part, Turn
+from mmpack_dev.chat_conversations import conversations
+from mmpack_dev.chat_templates import FAMILIES, family_tokenizer
+from reference.chat_roles import owners
+from support.conversations import cooked_conversation
+
+FAMILY_NAMES = sorted(FAMILIES)
+EXAMPLES = settings(
+    max_examples=25,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+)
+
+
+def hf_mask(tokenizer: Any, messages: list[dict[str, Any]]) -> tuple[list[int], list[int]]:
+    out = tokenizer.apply_chat_template(
+        messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
+    return list(out["input_ids"]), list(out["assistant_masks"])
+
+
+def text_only(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages with list contents joined into their text (what the Energon encoder hands a
+    template when the run has no media)."""
+    out = []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list):
+            content = "".join(item.get("text", "") for item in content)
+        out.append({**m, "content": content})
+    return out
+
+
+def cooked(messages: list[dict[str, Any]]) -> Conversation:
+    turns = []
+    for m in messages:
+        content = m.get("content") or ""
+        fields = {k: v for k, v in m.items() if k not in ("role", "content")}
+        turns.append(Turn(m["role"], (Part(text=content),) if content else (), fields=fields))
+    return cooked_conversation("drawn", turns)
+
+
+def energon_encoders(family: str, generation: bool) -> dict[Any, PackingTaskEncoder]:
+    tok = family_tokenizer(family, generation=generation)
+    return {
+        mode: PackingTaskEncoder(
+            PackingEncoderConfig(modalities=[], loss_mask_mode=mode), tokenizer=tok
+        )
+        for mode in (None, "precomputed")
+    }
+
+
+def energon_mask(enc: PackingTaskEncoder, conv: Conversation) -> tuple[list[int], list[int]]:
+    encoded = enc.encode_conversation(conv)
+    if encoded.loss_mask is not None:
+        mask = np.asarray(encoded.loss_mask, dtype=np.bool_)
+    else:
+        mask = masks.from_roles(encoded.message_lengths, encoded.message_roles, ("assistant",))
+    assert encoded.trainable_tokens == int(mask.sum())
+    return encoded.token_ids.tolist(), mask.astype(int).tolist()
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_masks_equal_the_templates_assistant_mask(family: str) -> None:
+    tok = family_tokenizer(family, generation=True)
+
+    @EXAMPLES
+    @given(messages=conversations(family))
+    def check(messages: list[dict[str, Any]]) -> None:
+        ids, mask = masks.from_chat_template(tok, messages)
+        assert (ids.tolist(), mask.astype(int).tolist()) == hf_mask(tok, messages)
+
+    check()
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_energon_equals_the_templates_assistant_mask_in_both_modes(family: str) -> None:
+    tok = family_tokenizer(family, generation=True)
+    encoders = energon_encoders(family, generation=True)
+
+    @EXAMPLES
+    @given(messages=conversations(family).map(text_only))
+    def check(messages: list[dict[str, Any]]) -> None:
+        expected = hf_mask(tok, messages)
+        for enc in encoders.values():
+            assert energon_mask(enc, cooked(messages)) == expected
+
+    check()
+
+
+_BREAKS = st.sampled_from([" ", ", ", ". ", " - "])
+_WORDS = st.text(
+    st.characters(
+        codec="utf-8",
+        categories=("L", "N", "P", "So"),
+        # no template syntax; nothing JSON escapes (the reference locates values verbatim)
+        exclude_characters='<>{}%|"\\',
+    ),
+    min_size=1,
+    max_size=6,
+)
+CLEAN = st.builds(
+    lambda first, rest: first + "".join(b + w for b, w in rest),
+    _WORDS,
+    st.lists(st.tuples(_BREAKS, _WORDS), max_size=4),
+)
+
+
+def cleaned(messages: list[dict[str, Any]], words: list[str]) -> list[dict[str, Any]]:
+    """The messages with every string value (but roles and content item types) replaced by
+    clean text (non-empty, no surrounding whitespace, no template syntax): values a template
+    renders verbatim, which the reference can locate."""
+    pool = iter(words * (1 + 200 // max(len(words), 1)))
+
+    def clean(value: Any, key: Any = None) -> Any:
+        if isinstance(value, str):
+            return value if key in ("role", "type") else next(pool)
+        if isinstance(value, dict):
+            return {k: clean(v, k) for k, v in value.items()}
+        if isinstance(value, list):
+            return [clean(v) for v in value]
+        return value
+
+    return [clean(m) for m in messages]
+
+
+@pytest.mark.parametrize("family", FAMILY_NAMES)
+def test_the_roles_rule_holds_character_by_character(family: str) -> None:
+    tok = family_tokenizer(family, generation=False)
+    encoders = energon_encoders(family, generation=False)
+    special = dict(tok.special_tokens_map)
+
+    @EXAMPLES
+    @given(
+        messages=st.builds(
+            cleaned, conversations(family).map(text_only), st.lists(CLEAN, min_size=1)
+        )
+    )
+    def check(messages: list[dict[str, Any]]) -> None:
+        text, owner = owners(tok.chat_template, messages, special)
+        assert text == tok.apply_chat_template(messages, tokenize=False)
+        enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+        roles = [m["role"] for m in messages]
+        expected = []
+        for start, end in enc["offset_mapping"]:
+            held = set(owner[start:end])
+            (m,) = held if len(held) == 1 else (-1,)
+            expected.append(int(m >= 0 and roles[m] == "assistant"))
+        ids, mask = masks.from_chat_template(tok, messages)
+        assert ids.tolist() == enc["input_ids"]
+        assert mask.astype(int).tolist() == expected
+        for e in encoders.values():
+            assert energon_mask(e, cooked(messages)) == (enc["input_ids"], expected)
+        # no character before a message's first value (headers, injected text) is trained
+        trained = {
+            c for (s, e), f in zip(enc["offset_mapping"], expected) if f for c in range(s, e)
+        }
+        assert all(owner[c] >= 0 for c in trained)
+
+    check()
