@@ -42,7 +42,7 @@ def _medians(fns: dict[str, Callable[[], Any]], repeats: int) -> dict[str, float
     """Median seconds of each function, the functions interleaved in every repeat (so a
     change in the machine's load hits all of them alike)."""
     times: dict[str, list[float]] = {name: [] for name in fns}
-    for name, fn in fns.items():
+    for fn in fns.values():
         fn()  # warm-up (compiles the template on both sides)
     for _ in range(repeats):
         for name, fn in fns.items():
@@ -87,9 +87,10 @@ def _row(family: str, n: int, repeats: int) -> dict[str, Any]:
         theirs["assistant_masks"]
     ):
         raise SystemExit(f"{family} {n} turns: masks.from_chat_template differs from hf")
-    if encoded.token_ids.tolist() != ids.tolist() or np.asarray(
-        encoded.loss_mask, dtype=bool
-    ).tolist() != mask.tolist():
+    if (
+        encoded.token_ids.tolist() != ids.tolist()
+        or np.asarray(encoded.loss_mask, dtype=bool).tolist() != mask.tolist()
+    ):
         raise SystemExit(f"{family} {n} turns: the Energon encoder differs from hf")
     row: dict[str, Any] = {"family": family, "turns": n, "tokens": len(ids)}
     row.update(
@@ -113,7 +114,10 @@ def main() -> None:
     lengths = [1, 10, 50, 200] if args.quick else [1, 10, 50, 200, 500, 1000, 2000]
     repeats = 5 if args.quick else args.repeats
     rows = [_row(f, n, repeats) for f in FAMILIES for n in lengths]
-    print("| template | turns | tokens | hf (s) | masks (s) | energon (s) | masks / hf | energon / hf |")
+    print(
+        "| template | turns | tokens | hf (s) | masks (s) | energon (s) | masks / hf "
+        "| energon / hf |"
+    )
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         print(

@@ -17,8 +17,12 @@ from mmpack.energon import PackingEncoderConfig, PackingTaskEncoder
 from mmpack.energon.chat_template import TEMPLATE_MARKUP_ROLE
 from mmpack.energon.media import MediaHandle
 from mmpack.energon.samples import Conversation, Part, Turn
-from mmpack.errors import ChatTemplateError, EnergonConfigError, SampleFormatError
-from mmpack_dev.qwen_vocab import qwen2_vl_tokenizer
+from mmpack.errors import EnergonConfigError, SampleFormatError
+from mmpack_dev.qwen_vocab import (
+    QWEN2_VL_CHAT_TEMPLATE,
+    QWEN2_VL_GENERATION_TEMPLATE,
+    qwen2_vl_tokenizer,
+)
 from mmpack_dev.synthetic import build_tokenizer, png_bytes
 from support.conversations import cooked_conversation
 
@@ -192,7 +196,10 @@ def test_text_of_every_private_use_character_is_encoded(qwen_tokenizer: Any) -> 
     enc = encoder(qwen_tokenizer, loss_mask_mode="precomputed")
     conv = conversation(("user", (text(every_private_use),)), ("assistant", (text("ok"),)))
     encoded = enc.encode_conversation(conv)
-    messages = [{"role": "user", "content": every_private_use}, {"role": "assistant", "content": "ok"}]
+    messages = [
+        {"role": "user", "content": every_private_use},
+        {"role": "assistant", "content": "ok"},
+    ]
     assert encoded.token_ids.tolist() == qwen_tokenizer.apply_chat_template(messages)["input_ids"]
     assert trained_text(enc, encoded) == "ok<|im_end|>\n"
 
@@ -333,3 +340,55 @@ def test_the_markup_is_only_for_tokenizers_built_for_it() -> None:
     assert chosen.conversation_format == "markup"
     with pytest.raises(EnergonConfigError, match="conversation_format must be one of"):
         PackingEncoderConfig(conversation_format="jinja")
+
+
+@pytest.mark.parametrize("tokenizer_template", [QWEN2_VL_CHAT_TEMPLATE, None])
+def test_the_processors_template_is_the_one_used(tokenizer_template: str | None) -> None:
+    """Transformers documents a multimodal model's template on its processor: when the
+    processor has one, it renders (here the generation-marked copy, so the assistant headers
+    are never trained), whatever the tokenizer holds."""
+    from transformers import Qwen2VLImageProcessor, Qwen2VLProcessor
+    from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
+
+    tok = qwen2_vl_tokenizer(tokenizer_template)  # type: ignore[arg-type]
+    size = {"shortest_edge": 56 * 56, "longest_edge": 112 * 112}
+    processor = Qwen2VLProcessor(
+        image_processor=Qwen2VLImageProcessor(size=size),
+        tokenizer=tok,
+        video_processor=Qwen2VLVideoProcessor(size=size),
+        chat_template=QWEN2_VL_GENERATION_TEMPLATE,
+    )
+    enc = PackingTaskEncoder(PackingEncoderConfig(modalities=["image"]), processor=processor)
+    assert enc.conversation_encoder.uses_generation_blocks
+    conv = conversation(
+        ("user", (Part(media=image("a.png", (56, 56))), text("What is it?"))),
+        ("assistant", (text("A cat."),)),
+    )
+    encoded = enc.encode_conversation(conv)
+    theirs = processor.apply_chat_template(
+        [
+            {
+                "role": "user",
+                "content": [{"type": "image"}, {"type": "text", "text": "What is it?"}],
+            },
+            {"role": "assistant", "content": [{"type": "text", "text": "A cat."}]},
+        ],
+        tokenize=False,
+    )
+    assert "<|im_start|>assistant\nA cat.<|im_end|>" in theirs
+    assert trained_text(enc, encoded) == "A cat.<|im_end|>"
+
+
+@pytest.mark.parametrize("mode", [None, "precomputed"])
+def test_an_injected_default_system_prompt_is_never_trained(
+    qwen_tokenizer: Any, mode: str | None
+) -> None:
+    """Qwen2-VL's released template writes a default system prompt inside the first message's
+    turn when the conversation has none: with an assistant message first, that prompt is text
+    of the assistant's turn, yet no message's words."""
+    enc = encoder(qwen_tokenizer, loss_mask_mode=mode)
+    conv = conversation(("assistant", (text("Hello, how can I help?"),)), ("user", (text("hi"),)))
+    encoded = enc.encode_conversation(conv)
+    rendered = qwen_tokenizer.decode(encoded.token_ids.tolist())
+    assert rendered.startswith("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n")
+    assert trained_text(enc, encoded) == "Hello, how can I help?<|im_end|>\n"

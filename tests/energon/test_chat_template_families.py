@@ -178,8 +178,47 @@ def test_the_roles_rule_holds_character_by_character(family: str) -> None:
             assert energon_mask(e, cooked(messages)) == (enc["input_ids"], expected)
         # no character before a message's first value (headers, injected text) is trained
         trained = {
-            c for (s, e), f in zip(enc["offset_mapping"], expected) if f for c in range(s, e)
+            c
+            for (s, e), f in zip(enc["offset_mapping"], expected, strict=True)
+            if f
+            for c in range(s, e)
         }
         assert all(owner[c] >= 0 for c in trained)
 
     check()
+
+
+@pytest.mark.parametrize("generation", [True, False], ids=["generation", "roles"])
+def test_a_generic_sample_with_tool_calls_trains_its_calls(generation: bool) -> None:
+    """A generic-format sample as stored (JSON messages with ``tool_calls``, null content and
+    two parallel ``tool`` results) through the cooker and the encoder: the assistant's tool calls
+    reach the template, so the calls are trained (as the template's own mask says, with
+    blocks), never an empty reply."""
+    import json
+
+    from mmpack.energon.cookers import cook_generic
+
+    call = {"type": "function", "function": {"name": "weather", "arguments": {"city": "Paris"}}}
+    messages = [
+        {"role": "user", "content": "Weather in Paris and Rome?"},
+        {"role": "assistant", "content": None, "tool_calls": [call, call]},
+        {"role": "tool", "content": "sunny"},
+        {"role": "tool", "content": "rain"},
+        {"role": "assistant", "content": "Sunny in Paris, rain in Rome."},
+    ]
+    raw = {
+        "__key__": "tools",
+        "__restore_key__": ("test", "tools"),
+        "__shard__": "s0",
+        "json": json.dumps({"messages": messages}).encode(),
+    }
+    conv = cook_generic(raw)
+    tok = family_tokenizer("qwen2_5", generation=generation)
+    enc = PackingTaskEncoder(PackingEncoderConfig(modalities=[]), tokenizer=tok)
+    ids, mask = energon_mask(enc, conv)
+    assert ids == hf_mask(tok, messages)[0]
+    trained = tok.decode([t for t, m in zip(ids, mask, strict=True) if m])
+    assert trained.count('<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}') == 2
+    assert "<tool_response>" not in trained and "Weather in Paris" not in trained
+    if generation:
+        assert mask == hf_mask(tok, messages)[1]

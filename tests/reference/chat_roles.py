@@ -39,7 +39,7 @@ def wrapped_template(template: str, loops: re.Pattern[str]) -> str:
     stack: list[tuple[bool, re.Match[str]]] = []
     edits: list[tuple[int, str]] = []
     for tag in _TAG.finditer(template):
-        left, kind, rest, right = tag.groups()
+        left, kind, rest, _ = tag.groups()
         if kind == "for":
             wrap = bool(loops.match(rest))
             stack.append((wrap, tag))

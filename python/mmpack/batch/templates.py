@@ -25,7 +25,7 @@ import dataclasses
 import itertools
 import re
 from collections.abc import Hashable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 from mmpack.batch.traced_text import TracedStr
 from mmpack.errors import ChatTemplateError
@@ -138,7 +138,7 @@ def render(
         (at[i] + s, at[i] + e, label)
         for i, kind in enumerate(map(type, chunks))
         if kind is TracedStr
-        for s, e, label in chunks[i].marks
+        for s, e, label in cast(TracedStr, chunks[i]).marks
     ]
     return _rendering("".join(chunks), marks, len(traced))
 
@@ -226,7 +226,7 @@ def _untraced(value: Any) -> Any:
 
 def _containers(value: Any) -> list[Any]:
     """The lists and dicts inside a message (not the message itself)."""
-    out = []
+    out: list[Any] = []
     stack = list(value.values()) if isinstance(value, dict) else []
     while stack:
         v = stack.pop()

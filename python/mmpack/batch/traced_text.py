@@ -66,11 +66,11 @@ class TracedStr(str):
     def rstrip(self, chars: str | None = None) -> str:
         return _cut(self, 0, len(str.rstrip(self, chars)))
 
-    def split(self, sep: str | None = None, maxsplit: SupportsIndex = -1) -> list[str]:  # type: ignore[override]
+    def split(self, sep: str | None = None, maxsplit: SupportsIndex = -1) -> list[str]:
         plain = str.split(self, sep, maxsplit)
         return _pieces(self, _split_bounds(self, sep, int(maxsplit)), plain)
 
-    def rsplit(self, sep: str | None = None, maxsplit: SupportsIndex = -1) -> list[str]:  # type: ignore[override]
+    def rsplit(self, sep: str | None = None, maxsplit: SupportsIndex = -1) -> list[str]:
         plain = str.rsplit(self, sep, maxsplit)
         if sep is None or int(maxsplit) < 0:
             return _pieces(self, _split_bounds(self, sep, -1), plain)
@@ -120,7 +120,7 @@ def _split_bounds(text: str, sep: str | None, maxsplit: int) -> list[tuple[int, 
         return words
     if not sep:
         return []  # str.split raises for an empty separator; the fallback does too
-    bounds = []
+    bounds: list[tuple[int, int]] = []
     at = 0
     while maxsplit < 0 or len(bounds) < maxsplit:
         found = text.find(sep, at)
@@ -135,7 +135,7 @@ def _split_bounds(text: str, sep: str | None, maxsplit: int) -> list[tuple[int, 
 def _rsplit_bounds(text: str, sep: str, maxsplit: int) -> list[tuple[int, int]]:
     if not sep:
         return []
-    bounds = []
+    bounds: list[tuple[int, int]] = []
     end = len(text)
     while len(bounds) < maxsplit:
         found = text.rfind(sep, 0, end)

@@ -144,9 +144,9 @@ def hf_messages(conversation: Conversation, *, list_content: bool = False) -> li
         ]
         message: dict[str, Any] = {"role": turn.role}
         if not list_content and all(p.media is None for p in turn.parts):
-            text = traced_join(t for t in texts if t)
+            joined = traced_join(t for t in texts if t)
             # an empty reply still marks where its content goes (its turn's end is its own)
-            message["content"] = text or TracedStr("", [(0, 0, ("empty",))])
+            message["content"] = joined or TracedStr("", [(0, 0, ("empty",))])
         else:
             content: list[dict[str, Any]] = []
             for part, text in zip(turn.parts, texts, strict=True):
@@ -203,12 +203,13 @@ class ChatTemplateEncoder:
         self.loss_mask_mode = loss_mask_mode
         #: the template this encoder was built for (the processor's, else the tokenizer's):
         #: its masking rule is read from it once
-        self.template = templates.template_text(tokenizer, processor)
-        if self.template is None:
+        template = templates.template_text(tokenizer, processor)
+        if template is None:
             raise EnergonConfigError(
                 f"the tokenizer {type(tokenizer).__name__} has no chat template (set "
                 "tokenizer.chat_template)"
             )
+        self.template: str = template
         #: what the template reads besides the messages (the tokenizer's special tokens)
         self.variables = templates.template_variables(tokenizer)
         self.backend = _fast_backend(tokenizer)

@@ -57,6 +57,7 @@ def build_conversation_encoder(
         tokenizer,
         config.modalities,
         model_processor=model_processor is not None,
+        processor=None if model_processor is None else model_processor.processor,
     )
     if chosen == "markup":
         return MarkupEncoder(

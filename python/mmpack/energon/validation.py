@@ -114,14 +114,20 @@ def resolve_processor(
 
 
 def resolve_conversation_format(
-    requested: str, tokenizer: Any, modalities: Iterable[str], *, model_processor: bool
+    requested: str,
+    tokenizer: Any,
+    modalities: Iterable[str],
+    *,
+    model_processor: bool,
+    processor: Any = None,
 ) -> str:
     """``"chat_template"`` or ``"markup"`` for the configured `requested` format (see
     `PackingEncoderConfig.conversation_format`); raises `EnergonConfigError` when the tokenizer
-    cannot encode conversations that way."""
+    cannot encode conversations that way. A template on the model's `processor` counts as the
+    tokenizer's."""
     if tokenizer is None:
         return requested
-    templated = templates.template_text(tokenizer) is not None
+    templated = templates.template_text(tokenizer, processor) is not None
     if requested == "chat_template" and not templated:
         raise EnergonConfigError(
             f"conversation_format is 'chat_template' but the tokenizer "
