@@ -173,11 +173,13 @@ def from_chat_template(
         )
     msg_roles = [str(m.get("role", "")) for m in msgs]
     uses_blocks = templates.has_generation_markers(template)
+    traced = RenderedTokens.needs_values(msg_roles, roles, uses_blocks)
     rendering = templates.render(
         template,
         msgs,
         variables=templates.template_variables(tokenizer),
-        trace_values=RenderedTokens.needs_values(msg_roles, roles, uses_blocks),
+        trace_values=traced,
+        trace_turns=traced,
     )
     encoding = backend.encode(rendering.text, add_special_tokens=False)
     tokens = RenderedTokens(rendering, token_offsets(encoding), len(msgs))

@@ -22,6 +22,7 @@ train only through blocks.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 from typing import Any
@@ -45,34 +46,55 @@ class RenderedTokens:
         self.rendering = rendering
         self.offsets = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
         self.n_messages = n_messages
-        size = len(rendering.text)
-        #: per character: the message whose turn holds it, or -1
-        self.char_turn = np.full(size, -1, dtype=np.int64)
-        #: per character: the message that owns it (module docstring), or -1
-        self.char_owner = np.full(size, -1, dtype=np.int64)
+        self.in_generation = _overlaps(rendering.generation, self.offsets[:, 0], self.offsets[:, 1])
+
+    @functools.cached_property
+    def char_turn(self) -> np.ndarray:
+        """Per character: the message whose turn holds it, or -1."""
+        out = np.full(len(self.rendering.text), -1, dtype=np.int64)
+        for m, (a, b) in enumerate(self.rendering.turns):
+            if a >= 0:
+                out[a:b] = m
+        return out
+
+    @functools.cached_property
+    def char_owner(self) -> np.ndarray:
+        """Per character: the message that owns it (module docstring), or -1."""
+        rendering = self.rendering
+        out = np.full(len(rendering.text), -1, dtype=np.int64)
         value_starts: dict[int, list[int]] = {}
         for v in rendering.values:
             value_starts.setdefault(v.message, []).append(v.start)
         for m, (a, b) in enumerate(rendering.turns):
-            if a < 0:
-                continue
-            self.char_turn[a:b] = m
-            inside = [s for s in value_starts.get(m, ()) if a <= s <= b]
+            inside = [s for s in value_starts.get(m, ()) if a <= s <= b] if a >= 0 else ()
             if inside:
-                self.char_owner[min(inside) : b] = m
+                out[min(inside) : b] = m
         for v in rendering.values:
-            self.char_owner[v.start : v.end] = v.message
-        starts, ends = self.offsets[:, 0], self.offsets[:, 1]
-        last = np.maximum(ends - 1, starts).clip(0, max(size - 1, 0))
-        if size:
-            runs = np.concatenate([[0], np.cumsum(np.diff(self.char_owner) != 0)])
-            whole = runs[starts.clip(0, size - 1)] == runs[last]
-            self.owner = np.where(whole, self.char_owner[starts.clip(0, size - 1)], -1)
-            self.turn = self.char_turn[starts.clip(0, size - 1)]
-        else:
-            self.owner = np.full(len(starts), -1, dtype=np.int64)
-            self.turn = self.owner.copy()
-        self.in_generation = _overlaps(rendering.generation, starts, ends)
+            out[v.start : v.end] = v.message
+        return out
+
+    def _first_char(self) -> np.ndarray:
+        size = len(self.rendering.text)
+        return np.minimum(self.offsets[:, 0], max(size - 1, 0))
+
+    @functools.cached_property
+    def turn(self) -> np.ndarray:
+        """Per token: the message whose turn holds its first character, or -1."""
+        if not len(self.rendering.text):
+            return np.full(len(self.offsets), -1, dtype=np.int64)
+        return self.char_turn[self._first_char()]
+
+    @functools.cached_property
+    def owner(self) -> np.ndarray:
+        """Per token: the message that owns every character it covers, or -1."""
+        size = len(self.rendering.text)
+        if not size or not self.rendering.values:
+            return np.full(len(self.offsets), -1, dtype=np.int64)
+        starts, ends = self._first_char(), self.offsets[:, 1]
+        last = np.clip(np.maximum(ends - 1, starts), 0, size - 1)
+        char_owner = self.char_owner
+        runs = np.concatenate([[0], np.cumsum(np.diff(char_owner) != 0)])
+        return np.where(runs[starts] == runs[last], char_owner[starts], -1)
 
     def generation_messages(self, roles: Sequence[str], uses_blocks: bool) -> np.ndarray:
         """Per message: it trains only through generation blocks, when the template has
@@ -90,9 +112,12 @@ class RenderedTokens:
         role: the template's author marked it, as ``return_assistant_tokens_mask`` reads
         it), the owning message for any other token unless that message trains only
         through blocks, else -1 (never trained)."""
+        if not self.rendering.values:
+            # nothing located: no token is a message's but through blocks
+            return np.where(self.in_generation, -2, -1)
         only_blocks = self.generation_messages(roles, uses_blocks)
         owner = self.owner
-        label = np.where((owner >= 0) & ~only_blocks[owner.clip(0)], owner, -1)
+        label = np.where((owner >= 0) & ~only_blocks[np.maximum(owner, 0)], owner, -1)
         return np.where(self.in_generation, -2, label)
 
     @staticmethod

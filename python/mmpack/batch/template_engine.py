@@ -157,13 +157,13 @@ def _environment() -> ImmutableSandboxedEnvironment:
 
 
 @functools.lru_cache(maxsize=32)
-def compiled(template: str) -> jinja2.Template:
-    """`template` compiled with a mark at the start and end of every loop iteration (the marks
-    are empty strings: the rendering is unchanged)."""
+def compiled(template: str, iterations: bool = True) -> jinja2.Template:
+    """`template` compiled, with `iterations` a mark at the start and end of every loop
+    iteration (the marks are empty strings: the rendering is unchanged)."""
     env = _environment()
     try:
         tree = env.parse(template)
-        for loop in list(tree.find_all(nodes.For)):
+        for loop in list(tree.find_all(nodes.For)) if iterations else ():
             if not isinstance(loop.target, nodes.Name):
                 continue
             item = nodes.Name(loop.target.name, "load")

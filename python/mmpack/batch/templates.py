@@ -105,23 +105,30 @@ def render(
     variables: Mapping[str, Any],
     sample_id: Hashable | None = None,
     trace_values: bool = True,
+    trace_turns: bool = True,
 ) -> Rendering:
     """Render `messages` with `template` once (module docstring). String values the caller
     passes as `TracedStr` keep their marks' labels; other strings are labelled by their key
     path (``("content",)``, ``("content", 0, "text")``, ``("tool_calls", 0, "function",
     "name")``). Raises `ChatTemplateError` naming the sample when the template does not compile
     or fails (``raise_exception`` included). Without `trace_values` the values are plain
-    strings (no `Rendering.values`; faster), for callers that need only blocks and turns."""
+    strings (no `Rendering.values`; faster), for callers that need only blocks and turns;
+    without `trace_turns` too, no turn is known (all ``(-1, -1)``)."""
     from mmpack.batch import template_engine  # Jinja is needed only to render
 
     where = "" if sample_id is None else f"sample {sample_id!r}: "
-    compiled = template_engine.compiled(template)
+    compiled = template_engine.compiled(template, trace_values or trace_turns)
     traced = []
     for m, message in enumerate(messages):
         if not isinstance(message, Mapping):
             raise ChatTemplateError(f"{where}message {m} is {type(message).__name__}, not a dict")
         traced.append(_traced_message(message, m, trace_values))
-    items = {id(c): m for m, message in enumerate(traced) for c in _containers(message)}
+    # a message's own items mark where their iterations start only to locate values
+    items = (
+        {id(c): m for m, message in enumerate(traced) for c in _containers(message)}
+        if trace_values
+        else {}
+    )
     token = template_engine.MESSAGES.set(
         ({id(message): m for m, message in enumerate(traced)}, items)
     )

@@ -44,6 +44,7 @@ message owns and an assistant message's tokens outside its generation blocks.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 from collections.abc import Callable, Mapping, Sequence
@@ -129,24 +130,26 @@ def _repeat_placeholder(ids: Mapping[str, int], kind: str, count: int) -> list[i
     return [ids[kind]] * count
 
 
-def hf_messages(conversation: Conversation, *, list_content: bool = False) -> list[dict[str, Any]]:
+def hf_messages(
+    conversation: Conversation, *, list_content: bool = False, traced: bool = False
+) -> list[dict[str, Any]]:
     """The conversation as Hugging Face chat messages (see the module docstring); with
     `list_content` every message's content is a list of items (what multimodal templates
     expect), else a turn without media has a plain string. A turn's other fields (tool calls,
-    reasoning, names) are the message's other keys, unchanged. Each text is a `TracedStr`
-    labelled ``("part", index of the part in its turn)``, so one render tells where each part's
-    characters went (plain text to anything but `mmpack.batch.templates.render`)."""
+    reasoning, names) are the message's other keys, unchanged. With `traced` each text is a
+    `TracedStr` labelled ``("part", index of the part in its turn)``, so one render tells where
+    each part's characters went (plain text to anything but `mmpack.batch.templates.render`)."""
     messages: list[dict[str, Any]] = []
     for turn in conversation.turns:
         texts = [
-            TracedStr(p.text, [(0, len(p.text), ("part", i))]) if p.text else p.text
+            TracedStr(p.text, ((0, len(p.text), ("part", i)),)) if traced and p.text else p.text
             for i, p in enumerate(turn.parts)
         ]
         message: dict[str, Any] = {"role": turn.role}
         if not list_content and all(p.media is None for p in turn.parts):
             joined = traced_join(t for t in texts if t)
             # an empty reply still marks where its content goes (its turn's end is its own)
-            message["content"] = joined or TracedStr("", [(0, 0, ("empty",))])
+            message["content"] = joined or (TracedStr("", ((0, 0, ("empty",)),)) if traced else "")
         else:
             content: list[dict[str, Any]] = []
             for part, text in zip(turn.parts, texts, strict=True):
@@ -213,6 +216,7 @@ class ChatTemplateEncoder:
         #: what the template reads besides the messages (the tokenizer's special tokens)
         self.variables = templates.template_variables(tokenizer)
         self.backend = _fast_backend(tokenizer)
+        self._placeholder_ids = {**media.other_placeholder_ids, **media.placeholder_ids}
         #: the template marks assistant output with ``{% generation %}``
         self.uses_generation_blocks = templates.has_generation_markers(self.template)
 
@@ -236,18 +240,22 @@ class ChatTemplateEncoder:
         turns = conversation.turns
         if not turns:
             raise SampleFormatError(f"sample {key!r} has no turns")
-        messages = hf_messages(conversation, list_content=media.list_content)
         roles = [t.role for t in turns]
         precomputed = self.loss_mask_mode == "precomputed"
         # fragment flags decide characters of their own only in precomputed mode
         flags = precomputed and any(p.trainable is not None for t in turns for p in t.parts)
+        traced = flags or RenderedTokens.needs_values(
+            roles, train_roles, self.uses_generation_blocks
+        )
+        messages = hf_messages(conversation, list_content=media.list_content, traced=traced)
         rendering = templates.render(
             self.template,
             messages,
             variables=self.variables,
             sample_id=key,
-            trace_values=flags
-            or RenderedTokens.needs_values(roles, train_roles, self.uses_generation_blocks),
+            trace_values=traced,
+            # turns place media placeholders, and name the message a stray one is in
+            trace_turns=traced or bool(self._placeholder_ids),
         )
         full = rendering.text
         encoding = self.backend.encode(full, add_special_tokens=False)
@@ -382,13 +390,17 @@ def _match_placeholders(
     key = conversation.__key__
     model_ids = {int(v): k for k, v in media.other_placeholder_ids.items()}
     model_ids.update({int(v): k for k, v in media.placeholder_ids.items()})
+    if not model_ids and all(p.media is None for t in conversation.turns for p in t.parts):
+        return []  # no media, and no token the model reads as media
     is_placeholder = np.isin(ids, np.fromiter(model_ids, dtype=np.int64, count=len(model_ids)))
+    # placeholder tokens by message (-1: outside every turn) and kind, in order
+    by_message: dict[int, dict[str, collections.deque[int]]] = {}
+    for t in np.flatnonzero(is_placeholder).tolist():
+        kinds = by_message.setdefault(int(message_of[t]), {})
+        kinds.setdefault(model_ids[int(ids[t])], collections.deque()).append(t)
     found: list[tuple[int, MediaHandle]] = []
     for m, turn in enumerate(conversation.turns):
-        where = np.flatnonzero(is_placeholder & (message_of == m))
-        by_kind: dict[str, list[int]] = {}
-        for t in where.tolist():
-            by_kind.setdefault(model_ids[int(ids[t])], []).append(t)
+        by_kind = by_message.pop(m, {})
         for part in turn.parts:
             if part.media is None:
                 continue
@@ -404,7 +416,7 @@ def _match_placeholders(
                     f"sample {key!r}: message {m}: the chat template rendered no {kind} "
                     f"placeholder for media {part.media.key!r}"
                 )
-            found.append((rendered.pop(0), part.media))
+            found.append((rendered.popleft(), part.media))
         extra = [t for left in by_kind.values() for t in left]
         if extra:
             t = min(extra)
@@ -415,6 +427,14 @@ def _match_placeholders(
                 f"reads as media, but no media item of the sample fills it ({len(extra)} such "
                 "token(s)); remove it from the text or give the media as a media part"
             )
+    outside = [t for kinds in by_message.values() for left in kinds.values() for t in left]
+    if outside:
+        t = min(outside)
+        raise SampleFormatError(
+            f"sample {key!r}: the rendering holds the media placeholder "
+            f"{full[offsets[t, 0] : offsets[t, 1]]!r} outside every message's turn, which the "
+            "model's processor reads as media no item of the sample fills"
+        )
     return found
 
 
