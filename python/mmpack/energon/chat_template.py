@@ -269,7 +269,7 @@ class ChatTemplateEncoder:
         if not self.uses_generation_blocks:
             self._check_texts_located(conversation, rendering)
         # a media item's placeholder is looked for in its message's turn
-        placeholders = _match_placeholders(conversation, ids, tokens.turn, media, full, offsets)
+        placeholders = _match_placeholders(conversation, ids, tokens, media, full, offsets)
         trainable = None
         if flags:
             trainable = self._precomputed_mask(conversation, tokens, labels, placeholders)
@@ -378,7 +378,7 @@ def _all_set(char_flag: np.ndarray, offsets: np.ndarray) -> np.ndarray:
 def _match_placeholders(
     conversation: Conversation,
     ids: np.ndarray,
-    message_of: np.ndarray,
+    tokens: RenderedTokens,
     media: TemplateMedia,
     full: str,
     offsets: np.ndarray,
@@ -392,6 +392,7 @@ def _match_placeholders(
     model_ids.update({int(v): k for k, v in media.placeholder_ids.items()})
     if not model_ids and all(p.media is None for t in conversation.turns for p in t.parts):
         return []  # no media, and no token the model reads as media
+    message_of = tokens.turn
     is_placeholder = np.isin(ids, np.fromiter(model_ids, dtype=np.int64, count=len(model_ids)))
     # placeholder tokens by message (-1: outside every turn) and kind, in order
     by_message: dict[int, dict[str, collections.deque[int]]] = {}
@@ -463,6 +464,8 @@ def _expand(
     label along, and build the `EncodedConversation`: spans of consecutive tokens with one
     label (a message's role, the generation role, or `TEMPLATE_MARKUP_ROLE`), and in
     ``"precomputed"`` mode (`trainable` given) the loss mask."""
+    if not placeholders:
+        return _encoded(conversation, ids, trainable, labels, [], [], 0, train_roles=train_roles)
     pieces_ids: list[np.ndarray] = []
     pieces_index: list[np.ndarray] = []  # for each output token: the input token it came from
     handles: list[MediaHandle] = []
@@ -485,9 +488,31 @@ def _expand(
         prev = t + 1
     pieces_ids.append(src[prev:])
     pieces_index.append(np.arange(prev, len(ids), dtype=np.int64))
-    tokens = np.concatenate(pieces_ids)
     origin = np.concatenate(pieces_index)
-    label = labels[origin]
+    return _encoded(
+        conversation,
+        np.concatenate(pieces_ids),
+        None if trainable is None else trainable[origin],
+        labels[origin],
+        handles,
+        counts,
+        units,
+        train_roles=train_roles,
+    )
+
+
+def _encoded(
+    conversation: Conversation,
+    tokens: np.ndarray,
+    trainable: np.ndarray | None,
+    label: np.ndarray,
+    handles: list[MediaHandle],
+    counts: list[int],
+    units: int,
+    *,
+    train_roles: Sequence[str],
+) -> EncodedConversation:
+    """The `EncodedConversation` of the expanded tokens with their flags and labels."""
     change = np.flatnonzero(np.diff(label)) + 1
     starts = np.concatenate([[0], change]) if len(tokens) else np.zeros(0, dtype=np.int64)
     ends = np.concatenate([change, [len(tokens)]]) if len(tokens) else starts
@@ -498,7 +523,7 @@ def _expand(
         conversation,
         train_roles=train_roles,
         token_ids=tokens,
-        loss_mask=None if trainable is None else trainable[origin].view(np.int8),
+        loss_mask=None if trainable is None else trainable.view(np.int8),
         message_lengths=(ends - starts).astype(np.int64),
         message_roles=roles,
         media=handles,
