@@ -23,16 +23,26 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from mmpack.batch.traced_text import TracedStr, traced_join
 from mmpack.errors import ChatTemplateError
 
-__all__ = ["MESSAGES", "compiled"]
+__all__ = ["STATE", "RenderState", "compiled"]
 
 _GENERATION = ("generation",)
 
+
 #: the messages of the render running in this context: id of the traced dict -> index
-#: the render running in this context: id of a rendered message -> its index, and id of a
-#: list or dict inside a message (a tool call, a content item) -> the message's index
-MESSAGES: ContextVar[tuple[dict[int, int], dict[int, int]] | None] = ContextVar(
-    "mmpack_template_messages", default=None
-)
+class RenderState:
+    """What the render running in this context knows: the rendered messages (id -> index),
+    the lists and dicts inside them (id -> their message's index), and how many generation
+    blocks ran."""
+
+    __slots__ = ("blocks", "items", "messages")
+
+    def __init__(self, messages: dict[int, int], items: dict[int, int]) -> None:
+        self.messages = messages
+        self.items = items
+        self.blocks = 0
+
+
+STATE: ContextVar[RenderState | None] = ContextVar("mmpack_template_render", default=None)
 _ITERATION_START = "mmpack_iteration_start"
 _ITERATION_END = "mmpack_iteration_end"
 
@@ -40,14 +50,14 @@ _ITERATION_END = "mmpack_iteration_end"
 def _iteration_mark(edge: str, item: Any) -> str:
     """An empty string marking where a loop iteration over a message (a turn) or over one of
     a message's own items (a tool call, a content item) starts or ends; "" for other items."""
-    state = MESSAGES.get()
+    state = STATE.get()
     if state is None:
         return ""
     key = id(item)
-    m = state[0].get(key)
+    m = state.messages.get(key)
     if m is not None:
         return TracedStr("", ((0, 0, ("turn-" + edge, m)),))
-    m = state[1].get(key)
+    m = state.items.get(key)
     if m is not None:
         return TracedStr("", ((0, 0, ("item-" + edge, m)),))
     return ""
@@ -64,6 +74,9 @@ class _Generation(jinja2.ext.Extension):
         return nodes.CallBlock(self.call_method("_mark"), [], [], body).set_lineno(lineno)
 
     def _mark(self, caller: Any) -> str:
+        state = STATE.get()
+        if state is not None:
+            state.blocks += 1
         text = caller()
         marks = text.marks if isinstance(text, TracedStr) else ()
         return TracedStr(text, [*marks, (0, len(text), _GENERATION)])
@@ -159,22 +172,57 @@ def _environment() -> ImmutableSandboxedEnvironment:
 @functools.lru_cache(maxsize=32)
 def compiled(template: str, iterations: bool = True) -> jinja2.Template:
     """`template` compiled, with `iterations` a mark at the start and end of every loop
-    iteration (the marks are empty strings: the rendering is unchanged)."""
+    iteration, a ``{% break %}`` or ``{% continue %}`` included (the marks are empty strings:
+    the rendering is unchanged)."""
     env = _environment()
     try:
         tree = env.parse(template)
-        for loop in list(tree.find_all(nodes.For)) if iterations else ():
-            if not isinstance(loop.target, nodes.Name):
-                continue
-            item = nodes.Name(loop.target.name, "load")
-            for name, at in ((_ITERATION_START, 0), (_ITERATION_END, len(loop.body) + 1)):
-                call = nodes.Filter(item, name, [], [], None, None)
-                loop.body.insert(
-                    at, nodes.Output([call]).set_lineno(loop.lineno).set_environment(env)
-                )
+        if iterations:
+            _mark_iterations(tree, None, env)
         code = env.compile(tree)
     except jinja2.exceptions.TemplateError as err:
         raise ChatTemplateError(
             f"the chat template does not compile ({type(err).__name__}: {err})"
         ) from err
     return env.template_class.from_code(env, code, env.make_globals(None))
+
+
+def _mark_output(item: nodes.Name, edge: str, lineno: int, env: Any) -> nodes.Output:
+    mark = nodes.Filter(nodes.Name(item.name, "load"), edge, [], [], None, None)
+    return nodes.Output([mark]).set_lineno(lineno).set_environment(env)
+
+
+def _mark_iterations(node: nodes.Node, item: nodes.Name | None, env: Any) -> None:
+    """Mark each loop body's start and end, and each ``break`` / ``continue`` (which leave
+    it early) with the end of the innermost loop's iteration."""
+    for field, value in node.iter_fields():
+        if isinstance(value, nodes.Node):
+            _mark_iterations(value, item, env)
+        if not isinstance(value, list):
+            continue
+        if isinstance(node, nodes.For) and field == "body":
+            inner = node.target if isinstance(node.target, nodes.Name) else None
+            for child in value:
+                if isinstance(child, nodes.Node):
+                    _mark_iterations(child, inner, env)
+            _mark_leaves(value, inner, env)
+            if inner is not None:
+                value.insert(0, _mark_output(inner, _ITERATION_START, node.lineno, env))
+                value.append(_mark_output(inner, _ITERATION_END, node.lineno, env))
+            continue
+        for child in value:
+            if isinstance(child, nodes.Node):
+                _mark_iterations(child, item, env)
+        _mark_leaves(value, item, env)
+
+
+def _mark_leaves(body: list[Any], item: nodes.Name | None, env: Any) -> None:
+    if item is None:
+        return
+    at = 0
+    while at < len(body):
+        child = body[at]
+        if isinstance(child, (nodes.Break, nodes.Continue)):
+            body.insert(at, _mark_output(item, _ITERATION_END, child.lineno, env))
+            at += 1
+        at += 1

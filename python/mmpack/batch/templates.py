@@ -129,9 +129,8 @@ def render(
         if trace_values
         else {}
     )
-    token = template_engine.MESSAGES.set(
-        ({id(message): m for m, message in enumerate(traced)}, items)
-    )
+    state = template_engine.RenderState({id(message): m for m, message in enumerate(traced)}, items)
+    token = template_engine.STATE.set(state)
     try:
         chunks = list(compiled.generate(**{**variables, "messages": traced}))
     except Exception as err:
@@ -139,7 +138,7 @@ def render(
             f"{where}the chat template failed to render ({type(err).__name__}: {err})"
         ) from err
     finally:
-        template_engine.MESSAGES.reset(token)
+        template_engine.STATE.reset(token)
     at = list(itertools.accumulate(map(len, chunks), initial=0))
     marks = [
         (at[i] + s, at[i] + e, label)
@@ -147,7 +146,16 @@ def render(
         if kind is TracedStr
         for s, e, label in cast(TracedStr, chunks[i]).marks
     ]
-    return _rendering("".join(chunks), marks, len(traced))
+    rendering = _rendering("".join(chunks), marks, len(traced))
+    if len(rendering.generation) < state.blocks:
+        # a block's text went through an operation that keeps no marks (a filter block,
+        # ``| replace``): its place is unknown, and guessing would mask the wrong tokens
+        raise ChatTemplateError(
+            f"{where}the chat template passes a {{% generation %}} block's text through an "
+            "operation that loses its place in the rendering (a filter such as upper or "
+            "replace), so its tokens cannot be located"
+        )
+    return rendering
 
 
 def _rendering(text: str, marks: list[tuple[int, int, Any]], n_messages: int) -> Rendering:

@@ -72,8 +72,6 @@ class TracedStr(str):
 
     def rsplit(self, sep: str | None = None, maxsplit: SupportsIndex = -1) -> list[str]:
         plain = str.rsplit(self, sep, maxsplit)
-        if sep is None or int(maxsplit) < 0:
-            return _pieces(self, _split_bounds(self, sep, -1), plain)
         return _pieces(self, _rsplit_bounds(self, sep, int(maxsplit)), plain)
 
 
@@ -115,7 +113,8 @@ def _pieces(text: TracedStr, bounds: Sequence[tuple[int, int]], plain: list[str]
 def _split_bounds(text: str, sep: str | None, maxsplit: int) -> list[tuple[int, int]]:
     if sep is None:
         words = [(m.start(), m.end()) for m in _WORDS.finditer(text)]
-        if 0 <= maxsplit < len(words) - 1:
+        if 0 <= maxsplit < len(words):
+            # the rest after the last split keeps its trailing whitespace
             words = [*words[:maxsplit], (words[maxsplit][0], len(text))]
         return words
     if not sep:
@@ -132,12 +131,19 @@ def _split_bounds(text: str, sep: str | None, maxsplit: int) -> list[tuple[int, 
     return bounds
 
 
-def _rsplit_bounds(text: str, sep: str, maxsplit: int) -> list[tuple[int, int]]:
+def _rsplit_bounds(text: str, sep: str | None, maxsplit: int) -> list[tuple[int, int]]:
+    if sep is None:
+        words = [(m.start(), m.end()) for m in _WORDS.finditer(text)]
+        if 0 <= maxsplit < len(words):
+            # the rest before the last split keeps its leading whitespace
+            keep = len(words) - maxsplit
+            words = [(0, words[keep - 1][1]), *words[keep:]]
+        return words
     if not sep:
         return []
     bounds: list[tuple[int, int]] = []
     end = len(text)
-    while len(bounds) < maxsplit:
+    while maxsplit < 0 or len(bounds) < maxsplit:
         found = text.rfind(sep, 0, end)
         if found < 0:
             break
