@@ -189,7 +189,9 @@ def compiled(template: str, iterations: bool = True) -> jinja2.Template:
 
 def _mark_output(item: nodes.Name, edge: str, lineno: int, env: Any) -> nodes.Output:
     mark = nodes.Filter(nodes.Name(item.name, "load"), edge, [], [], None, None)
-    return nodes.Output([mark]).set_lineno(lineno).set_environment(env)
+    output = nodes.Output([mark])
+    output.set_lineno(lineno).set_environment(env)
+    return output
 
 
 def _mark_iterations(node: nodes.Node, item: nodes.Name | None, env: Any) -> None:
