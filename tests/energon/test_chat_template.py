@@ -282,7 +282,7 @@ def test_a_media_token_in_the_markup_text_is_refused() -> None:
 
 @pytest.mark.parametrize(
     ("template", "message"),
-    [(UPPERCASE, "does not render the text of message 1")],
+    [(UPPERCASE, "does not render message 1's values")],
 )
 def test_templates_that_cannot_be_mapped_back_are_refused_at_construction(
     template: str, message: str

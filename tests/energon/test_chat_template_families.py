@@ -10,7 +10,8 @@ vocabulary (each family's control tokens added), against their consumer:
   True)``'s, on drawn multi-turn conversations.
 * Without: the roles rule holds character by character against `reference.chat_roles`, which
   derives each character's owner from transformers' own rendering; no header or injected
-  text is ever trained.
+  text is ever trained, and a reply's first word the template joins to its own space (Llama 2
+  / Mistral ``[INST]`` templates) is.
 """
 
 from __future__ import annotations
@@ -168,7 +169,9 @@ def test_the_roles_rule_holds_character_by_character(family: str) -> None:
         roles = [m["role"] for m in messages]
         expected = []
         for start, end in enc["offset_mapping"]:
-            held = set(owner[start:end])
+            # a token is one message's when that message owns some of its characters and no
+            # other message any (the template's own characters beside them aside)
+            held = set(owner[start:end]) - {-1}
             (m,) = held if len(held) == 1 else (-1,)
             expected.append(int(m >= 0 and roles[m] == "assistant"))
         ids, mask = masks.from_chat_template(tok, messages)
@@ -176,14 +179,6 @@ def test_the_roles_rule_holds_character_by_character(family: str) -> None:
         assert mask.astype(int).tolist() == expected
         for e in encoders.values():
             assert energon_mask(e, cooked(messages)) == (enc["input_ids"], expected)
-        # no character before a message's first value (headers, injected text) is trained
-        trained = {
-            c
-            for (s, e), f in zip(enc["offset_mapping"], expected, strict=True)
-            if f
-            for c in range(s, e)
-        }
-        assert all(owner[c] >= 0 for c in trained)
 
     check()
 
@@ -222,3 +217,45 @@ def test_a_generic_sample_with_tool_calls_trains_its_calls(generation: bool) -> 
     assert "<tool_response>" not in trained and "Weather in Paris" not in trained
     if generation:
         assert mask == hf_mask(tok, messages)[1]
+
+
+# Llama 2's released chat template (Mistral's [INST] templates have the same shape): the reply
+# follows the template's own space, which byte-level BPE joins to its first word
+LLAMA2_TEMPLATE = (
+    "{% if messages[0]['role'] == 'system' %}{% set loop_messages = messages[1:] %}"
+    "{% set system_message = messages[0]['content'] %}{% else %}"
+    "{% set loop_messages = messages %}{% set system_message = false %}{% endif %}"
+    "{% for message in loop_messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{% endif %}{% if loop.index0 == 0 and system_message != false %}"
+    "{% set content = '<<SYS>>\\n' + system_message + '\\n<</SYS>>\\n\\n' + message['content'] %}"
+    "{% else %}{% set content = message['content'] %}{% endif %}"
+    "{% if message['role'] == 'user' %}{{ bos_token + '[INST] ' + content.strip() + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ ' '  + content.strip() + ' ' + eos_token }}"
+    "{% endif %}{% endfor %}"
+)
+
+
+@pytest.mark.parametrize("mode", [None, "precomputed"])
+def test_a_reply_joined_to_the_templates_space_trains_its_first_word(mode: str | None) -> None:
+    from mmpack_dev.qwen_vocab import qwen2_vl_tokenizer
+
+    tok = qwen2_vl_tokenizer(LLAMA2_TEMPLATE)
+    tok.bos_token = "<|endoftext|>"
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Is it?"},
+        {"role": "assistant", "content": "Yes"},
+        {"role": "user", "content": "Sure?"},
+        {"role": "assistant", "content": "Yes, sure."},
+    ]
+    ids, mask = masks.from_chat_template(tok, messages)
+    assert ids.tolist() == tok.apply_chat_template(messages)["input_ids"]
+    trained = [t for t, m in zip(ids.tolist(), mask, strict=True) if m]
+    eos = tok.eos_token
+    assert tok.decode(trained) == f" Yes {eos} Yes, sure. {eos}"
+    enc = PackingTaskEncoder(
+        PackingEncoderConfig(modalities=[], loss_mask_mode=mode), tokenizer=tok
+    )
+    assert energon_mask(enc, cooked(messages)) == (ids.tolist(), mask.astype(int).tolist())

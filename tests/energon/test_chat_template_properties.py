@@ -145,13 +145,14 @@ def test_trained_tokens_are_the_templates_assistant_mask(
 
 def rendered_by_hand(
     conversation: Conversation,
-) -> tuple[str, np.ndarray, list[tuple[int, int, bool]]]:
+) -> tuple[str, list[bool | None], list[int], list[tuple[int, int, bool]]]:
     """Qwen2-VL's released template for string contents, written out: the rendering, one
     flag per character by the documented rule (a text's own flag; the end of its turn its
-    message's; the injected system prompt and the role headers no message's), and each
-    non-empty text part's span and flag."""
+    message's; the injected system prompt and the role headers no message's: None), the
+    message owning each character (-1: none), and each non-empty text part's span and flag."""
     out = ""
-    flags: list[bool] = []
+    flags: list[bool | None] = []
+    owner: list[int] = []
     parts: list[tuple[int, int, bool]] = []
     for m, turn in enumerate(conversation.turns):
         by_role = turn.role == "assistant"
@@ -161,17 +162,20 @@ def rendered_by_hand(
         head = head if m == 0 and turn.role != "system" else ""
         head += f"<|im_start|>{turn.role}\n"
         out += head
-        flags += [False] * len(head)
+        flags += [None] * len(head)
+        owner += [-1] * len(head)
         for part in turn.parts:
             flag = by_role if part.trainable is None else part.trainable
             if part.text:
                 parts.append((len(out), len(out) + len(part.text), flag))
             out += part.text or ""
             flags += [flag] * len(part.text or "")
+            owner += [m] * len(part.text or "")
         tail = "<|im_end|>\n"
         out += tail
         flags += [marker] * len(tail)
-    return out, np.asarray(flags, dtype=np.bool_), parts
+        owner += [m] * len(tail)
+    return out, flags, owner, parts
 
 
 @FAST
@@ -180,15 +184,18 @@ def test_each_fragment_flag_covers_the_tokens_of_its_text(
     precomputed: PackingTaskEncoder, conv: Conversation
 ) -> None:
     tokenizer = precomputed.tokenizer
-    full, char_flag, parts = rendered_by_hand(conv)
+    full, char_flag, owner, parts = rendered_by_hand(conv)
     assert tokenizer.apply_chat_template(messages_of(conv), tokenize=False) == full
     own = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
     encoded = precomputed.encode_conversation(conv)
     assert encoded.token_ids.tolist() == own["input_ids"]
     got = np.asarray(encoded.loss_mask, dtype=np.bool_).tolist()
     for t, (start, end) in enumerate(own["offset_mapping"]):
-        # the one rule: trained iff every character the token covers is trainable
-        assert got[t] == bool(char_flag[start:end].all()), (t, full[start:end])
+        # the one rule: a token of one message (the template's own characters aside) is
+        # trained iff every character of it that has a flag is trainable
+        messages = set(owner[start:end]) - {-1}
+        flagged = [f for f in char_flag[start:end] if f is not None]
+        assert got[t] == (len(messages) == 1 and all(flagged)), (t, full[start:end])
         # so a token wholly inside one fragment has that fragment's flag
         for lo, hi, flag in parts:
             if lo <= start and end <= hi:

@@ -30,7 +30,12 @@ from mmpack._coerce import (
     token_count,
 )
 from mmpack.batch import templates
-from mmpack.batch.rendered_tokens import GENERATION_ROLE, RenderedTokens, token_offsets
+from mmpack.batch.rendered_tokens import (
+    GENERATION_ROLE,
+    RenderedTokens,
+    token_offsets,
+    untruncated_encode,
+)
 from mmpack.errors import ChatTemplateError
 
 __all__ = [
@@ -181,11 +186,36 @@ def from_chat_template(
         trace_values=traced,
         trace_turns=traced,
     )
-    encoding = backend.encode(rendering.text, add_special_tokens=False)
+    try:
+        encoding = untruncated_encode(backend, rendering.text)
+    except Exception as err:  # the tokenizer refuses the text (a lone surrogate)
+        raise ChatTemplateError(
+            f"the tokenizer cannot encode the rendering ({type(err).__name__}: {err})"
+        ) from err
     tokens = RenderedTokens(rendering, token_offsets(encoding), len(msgs))
     labels = tokens.role_labels(msg_roles, uses_blocks)
+    if traced:
+        only_blocks = tokens.generation_messages(msg_roles, uses_blocks)
+        tokens.check_placed(
+            [r in roles and not only_blocks[m] for m, r in enumerate(msg_roles)],
+            [_has_values(m) for m in msgs],
+        )
     # labels: -2 (a block outside every turn), -1 (never), or the deciding message
     trains = np.asarray(
         [GENERATION_ROLE in roles, False, *(r in roles for r in msg_roles)], dtype=np.bool_
     )
     return np.asarray(encoding.ids, dtype=np.int64), trains[labels + 2]
+
+
+def _has_values(message: Mapping[str, Any]) -> bool:
+    """Whether a message has a non-empty string to render besides its role."""
+    stack = [v for k, v in message.items() if k != "role"]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, str) and value:
+            return True
+        if isinstance(value, Mapping):
+            stack.extend(value.values())
+        elif isinstance(value, (list, tuple)):
+            stack.extend(value)
+    return False

@@ -11,17 +11,22 @@ blocks leaves outside them). A message owns:
 
 Nothing else belongs to a message: role headers, a default system prompt or date line the
 template injects, separators, the text before the first turn. A token belongs to a message
-only when every character it covers does. So injected text is never trained, whatever the
-message it was injected beside.
+when the message owns some of its characters and no other message owns any: a token that joins
+the template's space to a reply's first word (``[/INST] Yes``) is the reply's, a token that
+joins two messages is neither's. So injected text is never trained, whatever the message it
+was injected beside, and a message to be trained that the rendering cannot place (its values
+transformed beyond following, or no loop over the messages) is refused (`check_placed`).
 
-With generation blocks, a token is in a block exactly as transformers'
-``return_assistant_tokens_mask`` says (it overlaps a block) and trains when the generation role
-(``assistant``) does; the messages whose turn holds a block, and every ``assistant`` message,
-train only through blocks.
+With generation blocks, a token is in a block when it overlaps one, as transformers'
+``return_assistant_tokens_mask`` says, and trains when the generation role (``assistant``)
+does; the messages whose turn holds a block, and every ``assistant`` message, train only
+through blocks. (Where transformers' tracker misplaces a block, inside a macro, a call or set
+block or a nested block, the block's own text is what counts here.)
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import itertools
 from collections.abc import Sequence
@@ -30,8 +35,9 @@ from typing import Any
 import numpy as np
 
 from mmpack.batch.templates import Rendering
+from mmpack.errors import ChatTemplateError
 
-__all__ = ["GENERATION_ROLE", "RenderedTokens", "token_offsets"]
+__all__ = ["GENERATION_ROLE", "RenderedTokens", "token_offsets", "untruncated_encode"]
 
 #: The role whose output ``{% generation %}`` blocks mark.
 GENERATION_ROLE = "assistant"
@@ -86,15 +92,54 @@ class RenderedTokens:
 
     @functools.cached_property
     def owner(self) -> np.ndarray:
-        """Per token: the message that owns every character it covers, or -1."""
+        """Per token: the one message that owns some of its characters (the rest no
+        message's), or -1."""
         size = len(self.rendering.text)
+        n = len(self.offsets)
         if not size or not self.rendering.values:
-            return np.full(len(self.offsets), -1, dtype=np.int64)
-        starts, ends = self._first_char(), self.offsets[:, 1]
-        last = np.clip(np.maximum(ends - 1, starts), 0, size - 1)
+            return np.full(n, -1, dtype=np.int64)
+        starts = np.clip(self.offsets[:, 0], 0, size)
+        lengths = np.clip(self.offsets[:, 1], 0, size) - starts
+        lengths = np.maximum(lengths, 0)
         char_owner = self.char_owner
-        runs = np.concatenate([[0], np.cumsum(np.diff(char_owner) != 0)])
-        return np.where(runs[starts] == runs[last], char_owner[starts], -1)
+        # the lowest and highest owner among each token's owned characters
+        nobody = np.iinfo(np.int64).max
+        low_of = np.where(char_owner >= 0, char_owner, nobody)
+        out = np.full(n, -1, dtype=np.int64)
+        filled = lengths > 0
+        if filled.any():
+            at = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+            chars = np.repeat(starts - at, lengths) + np.arange(int(lengths.sum()))
+            low = np.minimum.reduceat(low_of[chars], at[filled])
+            high = np.maximum.reduceat(char_owner[chars], at[filled])
+            out[filled] = np.where(low == high, high, -1)
+        empty = ~filled
+        out[empty] = char_owner[np.minimum(starts[empty], size - 1)]
+        return out
+
+    def check_placed(
+        self, to_train: Sequence[bool], with_values: Sequence[bool], *, where: str = ""
+    ) -> None:
+        """Refuse (`ChatTemplateError`) a message to be trained by the roles rule that the
+        rendering does not place: it has values to render but none was followed into the
+        rendering (transformed beyond following: ``| upper``, ``| tojson`` of its only
+        value), or it has no turn (no template loop over the messages reached it)."""
+        placed = {v.message for v in self.rendering.values}
+        for m, (train, has) in enumerate(zip(to_train, with_values, strict=True)):
+            if not train or not has:
+                continue
+            if m not in placed:
+                raise ChatTemplateError(
+                    f"{where}the chat template does not render message {m}'s values as given, "
+                    "nor cut or joined from them, so its tokens cannot be told from the "
+                    "template's; give the template {% generation %} blocks to mark what trains"
+                )
+            if self.rendering.turns[m][0] < 0:
+                raise ChatTemplateError(
+                    f"{where}the chat template renders message {m} outside any loop over the "
+                    "messages, so where its turn ends is unknown; give the template "
+                    "{% generation %} blocks to mark what trains"
+                )
 
     def generation_messages(self, roles: Sequence[str], uses_blocks: bool) -> np.ndarray:
         """Per message: it trains only through generation blocks, when the template has
@@ -138,15 +183,46 @@ def token_offsets(encoding: Any) -> np.ndarray:
     return flat.reshape(-1, 2)
 
 
+def untruncated_encode(backend: Any, text: str) -> Any:
+    """`text` tokenized without special tokens, truncation or padding, whatever the backend
+    tokenizer was left set to (transformers' ``__call__`` resets both on every call; a
+    ``tokenizer.json`` may configure them)."""
+    if backend.truncation is None and backend.padding is None:
+        return backend.encode(text, add_special_tokens=False)
+    return _plain_copy(backend).encode(text, add_special_tokens=False)
+
+
+_PLAIN_COPIES: dict[tuple[int, str, str], Any] = {}
+
+
+def _plain_copy(backend: Any) -> Any:
+    key = (id(backend), repr(backend.truncation), repr(backend.padding))
+    plain = _PLAIN_COPIES.get(key)
+    if plain is None or plain.get_vocab_size() != backend.get_vocab_size():
+        plain = copy.deepcopy(backend)
+        plain.no_truncation()
+        plain.no_padding()
+        if len(_PLAIN_COPIES) >= 8:
+            _PLAIN_COPIES.clear()
+        _PLAIN_COPIES[key] = plain
+    return plain
+
+
 def _overlaps(spans: Sequence[tuple[int, int]], starts: np.ndarray, ends: np.ndarray) -> np.ndarray:
-    """Tokens overlapping a span, by transformers' rule for ``assistant_masks``: the first span
-    not ended by the token's start must begin before the token's end."""
+    """Tokens overlapping a block: the blocks' union (nested blocks mark their outer block's
+    text), then the first block not ended by the token's start must begin before its end."""
     if not spans:
         return np.zeros(len(starts), dtype=np.bool_)
-    span_starts = np.asarray([s for s, _ in spans], dtype=np.int64)
-    span_ends = np.asarray([e for _, e in spans], dtype=np.int64)
+    union: list[list[int]] = []
+    for s, e in sorted(spans):
+        if union and s <= union[-1][1] and e > s:
+            union[-1][1] = max(union[-1][1], e)
+        else:
+            union.append([s, e])
+    span_starts = np.asarray([s for s, _ in union], dtype=np.int64)
+    span_ends = np.asarray([e for _, e in union], dtype=np.int64)
     first = np.searchsorted(span_ends, starts, side="right")
-    inside = first < len(spans)
+    inside = first < len(union)
     out = np.zeros(len(starts), dtype=np.bool_)
     out[inside] = ends[inside] > span_starts[first[inside]]
     return out

@@ -21,6 +21,7 @@ Cost is linear in the conversation: one render, a pass over its output.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import itertools
 import re
@@ -43,6 +44,7 @@ __all__ = [
 #: ``{% generation %}`` in a Jinja chat template, with Jinja's optional whitespace control
 #: (``-``) or its override (``+``) on either side, as Jinja itself parses the tag
 GENERATION_TAG = re.compile(r"\{%[-+]?\s*generation\s*[-+]?%\}")
+_COMMENT = re.compile(r"\{#.*?#\}", re.S)
 #: the names a message's reasoning is read under (transformers fills all of them)
 _REASONING_KEYS = ("reasoning_content", "thinking", "reasoning")
 
@@ -60,8 +62,9 @@ def template_text(tokenizer: Any, processor: Any = None) -> str | None:
 
 
 def has_generation_markers(template: str | None) -> bool:
-    """Whether `template` marks assistant output with ``{% generation %}``."""
-    return template is not None and bool(GENERATION_TAG.search(template))
+    """Whether `template` marks assistant output with ``{% generation %}`` (outside its
+    ``{# comments #}``)."""
+    return template is not None and bool(GENERATION_TAG.search(_COMMENT.sub("", template)))
 
 
 def template_variables(tokenizer: Any) -> dict[str, Any]:
@@ -122,7 +125,10 @@ def render(
     for m, message in enumerate(messages):
         if not isinstance(message, Mapping):
             raise ChatTemplateError(f"{where}message {m} is {type(message).__name__}, not a dict")
-        traced.append(_traced_message(message, m, trace_values))
+        try:
+            traced.append(_traced_message(message, m, trace_values))
+        except RecursionError as err:
+            raise ChatTemplateError(f"{where}message {m} is nested too deeply") from err
     # a message's own items mark where their iterations start only to locate values
     items = (
         {id(c): m for m, message in enumerate(traced) for c in _containers(message)}
@@ -162,7 +168,9 @@ def _rendering(text: str, marks: list[tuple[int, int, Any]], n_messages: int) ->
     generation: list[tuple[int, int]] = []
     values: list[ValueSpan] = []
     turns = [(-1, -1)] * n_messages
-    open_turn: dict[int, int] = {}
+    # per message, the starts of its iterations not yet ended (a loop over the messages
+    # nested in another opens a second one)
+    open_turn: dict[int, list[int]] = {}
     open_items: dict[int, list[int]] = {}
     for start, end, label in sorted(marks, key=lambda mark: mark[0]):
         kind = label[0]
@@ -171,9 +179,12 @@ def _rendering(text: str, marks: list[tuple[int, int, Any]], n_messages: int) ->
         elif kind == "value":
             values.append(ValueSpan(start, end, label[1], label[2]))
         elif kind == "turn-start":
-            open_turn[label[1]] = start
-        elif kind == "turn-end" and label[1] in open_turn:
-            turns[label[1]] = (open_turn.pop(label[1]), start)
+            open_turn.setdefault(label[1], []).append(start)
+        elif kind == "turn-end" and open_turn.get(label[1]):
+            begin = open_turn[label[1]].pop()
+            if start > begin or turns[label[1]][0] < 0:
+                # a later loop that writes nothing for the message (a scan) keeps its turn
+                turns[label[1]] = (begin, start)
         elif kind == "item-start":
             open_items.setdefault(label[1], []).append(start)
         elif kind == "item-end" and open_items.get(label[1]):
@@ -182,11 +193,12 @@ def _rendering(text: str, marks: list[tuple[int, int, Any]], n_messages: int) ->
                 # an iteration over a message's own item that wrote something (a tool call's
                 # opening markup included); a scan that writes nothing marks nothing
                 values.append(ValueSpan(begin, start, label[1], ("item",)))
-    # a turn left by ``{% break %}`` / ``{% continue %}`` ends where the next one starts
-    starts = sorted(s for s, _ in turns if s >= 0) + sorted(open_turn.values())
-    for m, start in open_turn.items():
-        later = [s for s in starts if s > start]
-        turns[m] = (start, min(later) if later else len(text))
+    # a turn never closed (its loop variable rebound) ends where the next one starts
+    unended = {m: begins[0] for m, begins in open_turn.items() if begins}
+    starts = sorted([s for s, _ in turns if s >= 0] + list(unended.values()))
+    for m, start in unended.items():
+        later = bisect.bisect_right(starts, start)
+        turns[m] = (start, starts[later] if later < len(starts) else len(text))
     generation.sort()
     values.sort(key=lambda v: v.start)
     return Rendering(text, tuple(generation), tuple(values), tuple(turns))
@@ -213,9 +225,12 @@ def _plain(value: Any) -> Any:
         return [_plain(v) for v in value]
     if isinstance(value, tuple):
         return tuple(_plain(v) for v in value)
-    item = getattr(value, "item", None)
-    if callable(item) and type(value).__module__ == "numpy":
-        return _plain(item())
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if callable(getattr(value, "model_dump", None)):  # a pydantic model (an OpenAI message)
+        return _plain(value.model_dump())
+    if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:
+        return _plain(value.item())
     return f"<{type(value).__name__}>"
 
 

@@ -53,7 +53,12 @@ from typing import Any
 import numpy as np
 
 from mmpack.batch import templates
-from mmpack.batch.rendered_tokens import GENERATION_ROLE, RenderedTokens, token_offsets
+from mmpack.batch.rendered_tokens import (
+    GENERATION_ROLE,
+    RenderedTokens,
+    token_offsets,
+    untruncated_encode,
+)
 from mmpack.batch.traced_text import TracedStr, traced_join
 from mmpack.energon.markup import MEDIA_TOKENS
 from mmpack.energon.media import MediaHandle, MediaSettings
@@ -213,8 +218,6 @@ class ChatTemplateEncoder:
                 "tokenizer.chat_template)"
             )
         self.template: str = template
-        #: what the template reads besides the messages (the tokenizer's special tokens)
-        self.variables = templates.template_variables(tokenizer)
         self.backend = _fast_backend(tokenizer)
         self._placeholder_ids = {**media.other_placeholder_ids, **media.placeholder_ids}
         #: the template marks assistant output with ``{% generation %}``
@@ -251,14 +254,21 @@ class ChatTemplateEncoder:
         rendering = templates.render(
             self.template,
             messages,
-            variables=self.variables,
+            # read now: a special token set after construction renders as transformers does
+            variables=templates.template_variables(self.tokenizer),
             sample_id=key,
             trace_values=traced,
             # turns place media placeholders, and name the message a stray one is in
             trace_turns=traced or bool(self._placeholder_ids),
         )
         full = rendering.text
-        encoding = self.backend.encode(full, add_special_tokens=False)
+        try:
+            encoding = untruncated_encode(self.backend, full)
+        except Exception as err:  # the tokenizer refuses the text (a lone surrogate)
+            raise SampleFormatError(
+                f"sample {key!r}: the tokenizer cannot encode the rendering "
+                f"({type(err).__name__}: {err})"
+            ) from err
         ids = np.asarray(encoding.ids, dtype=np.int64)
         offsets = token_offsets(encoding)
         tokens = RenderedTokens(rendering, offsets, len(turns))
@@ -266,8 +276,8 @@ class ChatTemplateEncoder:
 
         if not precomputed:
             _check_flags_match_roles(conversation, train_roles)
-        if not self.uses_generation_blocks:
-            self._check_texts_located(conversation, rendering)
+        if traced:  # else generation blocks decide everything that trains
+            self._check_placed(conversation, tokens, flags)
         # a media item's placeholder is looked for in its message's turn
         placeholders = _match_placeholders(conversation, ids, tokens, media, full, offsets)
         trainable = None
@@ -290,27 +300,44 @@ class ChatTemplateEncoder:
             train_roles=train_roles,
         )
 
-    def _check_texts_located(self, conversation: Conversation, rendering: Any) -> None:
-        """Without generation blocks the roles rule finds a message's tokens from its text:
-        a message to be trained whose text the template transformed beyond tracing (``|
-        upper``, a regex) would silently train nothing, so it is refused."""
+    def _check_placed(
+        self, conversation: Conversation, tokens: RenderedTokens, flags: bool
+    ) -> None:
+        """Refuse what would otherwise train silently wrong: a message the roles rule
+        decides (no generation blocks for it) that is to be trained but cannot be placed
+        (`RenderedTokens.check_placed`), and in precomputed mode a flagged text part the
+        rendering lost track of (its flag could not be honoured)."""
+        key = conversation.__key__
+        turns = conversation.turns
+        roles = [t.role for t in turns]
+        only_blocks = tokens.generation_messages(roles, self.uses_generation_blocks)
+        to_train = [
+            not only_blocks[m]
+            and (
+                any(p.trainable for p in t.parts)
+                or (t.role in self.train_roles and not any(p.trainable is False for p in t.parts))
+            )
+            for m, t in enumerate(turns)
+        ]
+        with_values = [
+            any(p.text for p in t.parts if p.media is None) or bool(t.fields) for t in turns
+        ]
+        tokens.check_placed(to_train, with_values, where=f"sample {key!r}: ")
+        if not flags:
+            return
         located = {
-            v.message
-            for v in rendering.values
+            (v.message, v.label[1])
+            for v in tokens.rendering.values
             if isinstance(v.label, tuple) and v.label[:1] == ("part",)
         }
-        for m, turn in enumerate(conversation.turns):
-            texts = [p for p in turn.parts if p.media is None and p.text]
-            trains = any(p.trainable for p in texts) or (
-                turn.role in self.train_roles and not any(p.trainable is False for p in texts)
-            )
-            if texts and trains and m not in located:
-                raise ChatTemplateError(
-                    f"sample {conversation.__key__!r}: the chat template does not render the "
-                    f"text of message {m} ({turn.role}) as given, nor cut or joined from it, so "
-                    "its tokens cannot be told from the template's; give the template "
-                    "{% generation %} blocks to mark what trains"
-                )
+        for m, turn in enumerate(turns):
+            for i, part in enumerate(turn.parts):
+                if part.text and part.trainable is not None and (m, i) not in located:
+                    raise ChatTemplateError(
+                        f"sample {key!r}: the chat template does not render the text of "
+                        f"message {m}, part {i} as given, nor cut or joined from it, so its "
+                        f"trainable={part.trainable} flag cannot be honoured"
+                    )
 
     def _precomputed_mask(
         self,
@@ -352,7 +379,8 @@ class ChatTemplateEncoder:
             # media is not trained where the message marks its text per fragment
             fixed[offsets[t, 0] : offsets[t, 1]] = True
             fixed_flag[offsets[t, 0] : offsets[t, 1]] = by_role[m] and not flagged[m]
-        owned = np.where(owner >= 0, marker_of[owner.clip(0)], False)
+        # a character no message owns leaves the decision to the token's owner (labels)
+        owned = np.where(owner >= 0, marker_of[owner.clip(0)], True)
         # inside a block, text no message owns (a header the block holds) follows the turn
         # it lies in, and text outside every turn the block alone
         in_turn = np.where(turn >= 0, marker_of[turn.clip(0)], True)

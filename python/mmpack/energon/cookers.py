@@ -64,7 +64,7 @@ def _load_json(raw: dict[str, Any]) -> dict[str, Any]:
         raise SampleFormatError(f"sample {key!r}: no 'json' part (parts: {_parts(raw)})")
     try:
         obj = json.loads(data)
-    except (ValueError, TypeError) as err:
+    except (ValueError, TypeError, RecursionError) as err:
         raise SampleFormatError(
             f"sample {key!r}: the 'json' part is not valid JSON ({err})"
         ) from err
@@ -81,6 +81,13 @@ def _dataset_path(raw: dict[str, Any]) -> str:
         if path is not None:
             return str(path)
     return ""
+
+
+def _turn(key: str, index: int, role: str, parts: list[Part], fields: Any) -> Turn:
+    try:
+        return Turn(role=role, parts=tuple(parts), fields=fields)
+    except RecursionError as err:
+        raise SampleFormatError(f"sample {key!r}: message {index} is nested too deeply") from err
 
 
 def _parts(raw: dict[str, Any]) -> list[str]:
@@ -154,7 +161,7 @@ def cook_generic(raw: dict[str, Any], **_aux: Any) -> Conversation:
                 )
             )
         fields = {k: v for k, v in message.items() if k not in _GENERIC_KEYS}
-        turns.append(Turn(role=message["role"], parts=tuple(parts), fields=fields))
+        turns.append(_turn(key, m_idx, message["role"], parts, fields))
     return Conversation(**basic_sample_keys(raw), source_format=GENERIC, turns=turns)
 
 
@@ -238,7 +245,7 @@ def cook_fragments(raw: dict[str, Any], *, media: Any = None, **_aux: Any) -> Co
                     )
                 parts.append(Part(text=text, trainable=trainable))
         fields = {k: v for k, v in turn.items() if k not in _FRAGMENTS_KEYS}
-        turns.append(Turn(role=turn["role"], parts=tuple(parts), fields=fields))
+        turns.append(_turn(key, t_idx, turn["role"], parts, fields))
     return Conversation(**basic_sample_keys(raw), source_format=FRAGMENTS, turns=turns)
 
 

@@ -1,0 +1,251 @@
+"""Chat-template shapes and tokenizer states that could make the one-render encoder return
+wrong data silently, each against its consumer (transformers' ``apply_chat_template`` and its
+assistant mask) or refused with a typed error: nested and commented generation blocks, loops
+that scan the messages, loops by index, tool calls rendered only through ``tojson``, flagged
+text a template transforms, a tokenizer left truncating or padding, special tokens changed
+after construction, and values transformers converts (dataclasses, numpy)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+import pytest
+from mmpack.batch import masks
+from mmpack.energon import PackingEncoderConfig, PackingTaskEncoder
+from mmpack.energon.samples import Conversation, Part, Turn
+from mmpack.errors import ChatTemplateError, EnergonConfigError, SampleFormatError
+from mmpack_dev.qwen_vocab import qwen2_vl_tokenizer
+from support.conversations import cooked_conversation
+
+CHATML = (
+    "{%- for message in messages %}{{- '<|im_start|>' + message.role + '\\n' }}"
+    "{{- message.content + '<|im_end|>\\n' }}{%- endfor %}"
+)
+MESSAGES = [
+    {"role": "user", "content": "hi"},
+    {"role": "assistant", "content": "hello"},
+    {"role": "user", "content": "again"},
+    {"role": "assistant", "content": "bye"},
+]
+
+
+def hf(tok: Any, messages: list[dict[str, Any]]) -> tuple[list[int], list[int]]:
+    out = tok.apply_chat_template(
+        messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
+    return list(out["input_ids"]), list(out["assistant_masks"])
+
+
+def trained(tok: Any, ids: Any, mask: Any) -> str:
+    return str(tok.decode([t for t, m in zip(list(ids), list(mask), strict=True) if m]))
+
+
+def cooked(messages: list[dict[str, Any]]) -> Conversation:
+    turns = []
+    for m in messages:
+        content = m.get("content") or ""
+        fields = {k: v for k, v in m.items() if k not in ("role", "content")}
+        turns.append(Turn(m["role"], (Part(text=content),) if content else (), fields=fields))
+    return cooked_conversation("edge", turns)
+
+
+def energon(tok: Any, mode: str | None = None) -> PackingTaskEncoder:
+    return PackingTaskEncoder(
+        PackingEncoderConfig(modalities=[], loss_mask_mode=mode), tokenizer=tok
+    )
+
+
+def energon_mask(enc: PackingTaskEncoder, conv: Conversation) -> tuple[list[int], list[int]]:
+    encoded = enc.encode_conversation(conv)
+    if encoded.loss_mask is not None:
+        mask = np.asarray(encoded.loss_mask, dtype=np.bool_)
+    else:
+        mask = masks.from_roles(encoded.message_lengths, encoded.message_roles, ("assistant",))
+    return encoded.token_ids.tolist(), mask.astype(int).tolist()
+
+
+def test_nested_generation_blocks_train_the_outer_block() -> None:
+    template = (
+        "{%- for message in messages %}{{- '<|im_start|>' + message.role + '\\n' }}"
+        "{%- if message.role == 'assistant' %}{% generation %}{{- '<think>\\n' }}"
+        "{% generation %}{{- message.reasoning_content }}{% endgeneration %}"
+        "{{- '\\n</think>\\n\\n' + message.content + '<|im_end|>' }}{% endgeneration %}"
+        "{%- else %}{{- message.content + '<|im_end|>' }}{%- endif %}{{- '\\n' }}{%- endfor %}"
+    )
+    tok = qwen2_vl_tokenizer(template)
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello friend", "reasoning_content": "greet back"},
+    ]
+    ids, mask = masks.from_chat_template(tok, messages)
+    assert (ids.tolist(), mask.astype(int).tolist()) == hf(tok, messages)
+    assert trained(tok, ids, mask) == "<think>\ngreet back\n</think>\n\nhello friend<|im_end|>"
+
+
+def test_a_commented_generation_tag_marks_nothing() -> None:
+    # the tag in a comment is no block: the roles rule decides, as for the plain template
+    tok = qwen2_vl_tokenizer("{# {% generation %} is not used here #}" + CHATML)
+    ids, mask = masks.from_chat_template(tok, MESSAGES)
+    assert trained(tok, ids, mask) == "hello<|im_end|>\nbye<|im_end|>\n"
+    enc = energon(tok)
+    assert not enc.conversation_encoder.uses_generation_blocks
+
+
+@pytest.mark.parametrize(
+    "scan",
+    [
+        # a scan after the rendering loop
+        CHATML + "{%- set ns = namespace(n=0) %}{%- for m in messages %}"
+        "{%- set ns.n = ns.n + 1 %}{%- endfor %}",
+        # a scan inside it
+        "{%- for message in messages %}{%- set ns = namespace(n=0) %}{%- for m in messages %}"
+        "{%- set ns.n = ns.n + 1 %}{%- endfor %}{{- '<|im_start|>' + message.role + '\\n' }}"
+        "{{- message.content + '<|im_end|>\\n' }}{%- endfor %}",
+    ],
+    ids=["after", "inside"],
+)
+def test_a_loop_that_scans_the_messages_keeps_their_turns(scan: str) -> None:
+    tok = qwen2_vl_tokenizer(scan)
+    ids, mask = masks.from_chat_template(tok, MESSAGES)
+    assert trained(tok, ids, mask) == "hello<|im_end|>\nbye<|im_end|>\n"
+    assert energon_mask(energon(tok), cooked(MESSAGES)) == (ids.tolist(), mask.astype(int).tolist())
+
+
+def test_a_rebound_loop_variable_still_ends_each_turn() -> None:
+    template = (
+        "{%- for message in messages %}{%- set message = message %}"
+        "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+        "{%- endfor %}"
+    )
+    tok = qwen2_vl_tokenizer(template)
+    ids, mask = masks.from_chat_template(tok, MESSAGES)
+    assert trained(tok, ids, mask) == "hello<|im_end|>\nbye<|im_end|>\n"
+
+
+@pytest.mark.parametrize(
+    "template",
+    [
+        # a loop by index: no loop over the messages themselves, so no turn is known
+        "{%- for i in range(messages|length) %}{%- set message = messages[i] %}"
+        "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+        "{%- endfor %}",
+        # the reply transformed beyond following
+        "{%- for message in messages %}{{- '<|im_start|>' + message.role + '\\n' }}"
+        "{{- message.content | upper + '<|im_end|>\\n' }}{%- endfor %}",
+    ],
+    ids=["index-loop", "upper"],
+)
+def test_a_reply_that_cannot_be_placed_is_refused_on_both_paths(template: str) -> None:
+    tok = qwen2_vl_tokenizer(template)
+    with pytest.raises(ChatTemplateError, match="message 1"):
+        masks.from_chat_template(tok, MESSAGES)
+    # the Energon encoder's startup probe meets the same refusal: the run stops at construction
+    with pytest.raises(EnergonConfigError, match=r"probe.*message 1"):
+        energon(tok)
+
+
+def test_a_tool_call_rendered_only_through_tojson_is_refused_not_left_untrained() -> None:
+    template = (
+        "{%- for message in messages %}{{- '<|im_start|>' + message.role + '\\n' }}"
+        "{%- if message.content %}{{- message.content }}{%- endif %}"
+        "{%- if message.tool_calls %}{{- '<tool_call>' + message.tool_calls | tojson + "
+        "'</tool_call>' }}{%- endif %}{{- '<|im_end|>\\n' }}{%- endfor %}"
+    )
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": {"c": "P"}}}
+    messages = [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [call]},
+    ]
+    tok = qwen2_vl_tokenizer(template)
+    with pytest.raises(ChatTemplateError, match="message 1's values"):
+        masks.from_chat_template(tok, messages)
+
+
+def test_a_flagged_part_the_template_transforms_is_refused_in_precomputed_mode() -> None:
+    # a generation block decides the reply, but the flag of a part it cannot follow (the
+    # replace filter keeps no marks) cannot be honoured: refused, never trained anyway
+    template = (
+        "{%- for message in messages %}{{- '<|im_start|>' + message.role + '\\n' }}"
+        "{%- if message.role == 'assistant' %}{% generation %}"
+        "{{- message.content | replace('\\r\\n', '\\n') + '<|im_end|>' }}{% endgeneration %}"
+        "{%- else %}{{- message.content + '<|im_end|>' }}{%- endif %}{{- '\\n' }}{%- endfor %}"
+    )
+    tok = qwen2_vl_tokenizer(template)
+    conv = cooked_conversation(
+        "flags",
+        [
+            Turn("user", (Part(text="q", trainable=False),)),
+            Turn(
+                "assistant",
+                (
+                    Part(text="public answer. ", trainable=True),
+                    Part(text="SECRET", trainable=False),
+                ),
+            ),
+        ],
+    )
+    with pytest.raises(ChatTemplateError, match=r"'flags'.*trainable=(True|False) flag cannot"):
+        energon(tok, "precomputed").encode_conversation(conv)
+
+
+@pytest.mark.parametrize("state", ["truncation", "padding"])
+def test_a_tokenizer_left_truncating_or_padding_changes_nothing(state: str) -> None:
+    tok = qwen2_vl_tokenizer(CHATML)
+    enc = energon(tok)
+    expected_ids = hf(tok, MESSAGES)[0]
+    if state == "truncation":
+        tok("some text to truncate", truncation=True, max_length=3)  # leaves it truncating
+        tok.backend_tokenizer.enable_truncation(3)
+    else:
+        tok.backend_tokenizer.enable_padding(length=96, pad_id=0)
+    ids, mask = masks.from_chat_template(tok, MESSAGES)
+    assert ids.tolist() == expected_ids
+    assert trained(tok, ids, mask) == "hello<|im_end|>\nbye<|im_end|>\n"
+    assert energon_mask(enc, cooked(MESSAGES))[0] == expected_ids
+
+
+def test_a_special_token_set_after_construction_renders_as_transformers_does() -> None:
+    tok = qwen2_vl_tokenizer("{{ bos_token }}" + CHATML)
+    tok.bos_token = "<|endoftext|>"
+    enc = energon(tok)
+    tok.bos_token = "<|vision_start|>"
+    assert energon_mask(enc, cooked(MESSAGES))[0] == hf(tok, MESSAGES)[0]
+
+
+def test_values_transformers_converts_render_as_it_renders_them() -> None:
+    @dataclasses.dataclass
+    class Function:
+        name: str
+        arguments: dict[str, Any]
+
+    template = (
+        "{%- for message in messages %}{{- '<|im_start|>' + message.role + '\\n' }}"
+        "{{- message.content }}{%- for call in message.tool_calls or [] %}"
+        "{{- call.function.name + ' ' + call.extra | string }}{%- endfor %}"
+        "{{- '<|im_end|>\\n' }}{%- endfor %}"
+    )
+    tok = qwen2_vl_tokenizer(template)
+    messages = [
+        {"role": "user", "content": "hi"},
+        {
+            "role": "assistant",
+            "content": "ok ",
+            "tool_calls": [
+                {"function": Function("f", {"x": 1}), "extra": np.zeros(2)},
+                {"function": {"name": "g"}, "extra": np.float32(0.5)},
+            ],
+        },
+    ]
+    ids, _ = masks.from_chat_template(tok, messages)
+    assert ids.tolist() == hf(tok, messages)[0]
+
+
+def test_text_the_tokenizer_cannot_encode_is_a_typed_error_naming_the_sample() -> None:
+    tok = qwen2_vl_tokenizer(CHATML)
+    bad = [{"role": "user", "content": "lone \ud800 surrogate"}, MESSAGES[1]]
+    with pytest.raises(ChatTemplateError, match="cannot encode"):
+        masks.from_chat_template(tok, bad)
+    with pytest.raises(SampleFormatError, match=r"'edge'.*cannot encode"):
+        energon(tok).encode_conversation(cooked(bad))
