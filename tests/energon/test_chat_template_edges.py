@@ -190,16 +190,18 @@ def test_a_flagged_part_the_template_transforms_is_refused_in_precomputed_mode()
         energon(tok, "precomputed").encode_conversation(conv)
 
 
-@pytest.mark.parametrize("state", ["truncation", "padding"])
-def test_a_tokenizer_left_truncating_or_padding_changes_nothing(state: str) -> None:
+@pytest.mark.parametrize("state", ["truncation", "padding", "split-special"])
+def test_a_tokenizer_left_truncating_padding_or_splitting_changes_nothing(state: str) -> None:
     tok = qwen2_vl_tokenizer(CHATML)
     enc = energon(tok)
     expected_ids = hf(tok, MESSAGES)[0]
     if state == "truncation":
         tok("some text to truncate", truncation=True, max_length=3)  # leaves it truncating
         tok.backend_tokenizer.enable_truncation(3)
-    else:
+    elif state == "padding":
         tok.backend_tokenizer.enable_padding(length=96, pad_id=0)
+    else:
+        tok("x <|im_start|>", split_special_tokens=True)  # leaves special tokens split
     ids, mask = masks.from_chat_template(tok, MESSAGES)
     assert ids.tolist() == expected_ids
     assert trained(tok, ids, mask) == "hello<|im_end|>\nbye<|im_end|>\n"
@@ -249,3 +251,22 @@ def test_text_the_tokenizer_cannot_encode_is_a_typed_error_naming_the_sample() -
         masks.from_chat_template(tok, bad)
     with pytest.raises(SampleFormatError, match=r"'edge'.*cannot encode"):
         energon(tok).encode_conversation(cooked(bad))
+
+
+def test_a_freed_tokenizers_plain_copy_is_never_reused_for_another() -> None:
+    """Two tokenizers left truncating, one freed before the other is made (so it may take
+    the same address): each encodes with its own vocabulary."""
+    import gc
+
+    tok = qwen2_vl_tokenizer(CHATML)
+    tok.add_tokens(["ZZ"])
+    tok.backend_tokenizer.enable_truncation(10_000)
+    masks.from_chat_template(tok, [{"role": "user", "content": " ZZTOP"}])
+    del tok
+    gc.collect()
+    other = qwen2_vl_tokenizer(CHATML)
+    other.add_tokens(["ZZTO"])
+    other.backend_tokenizer.enable_truncation(10_000)
+    messages = [{"role": "user", "content": " ZZTOP"}]
+    ids, _ = masks.from_chat_template(other, messages)
+    assert ids.tolist() == other.apply_chat_template(messages)["input_ids"]

@@ -201,22 +201,38 @@ def test_a_generic_sample_with_tool_calls_trains_its_calls(generation: bool) -> 
         {"role": "tool", "content": "rain"},
         {"role": "assistant", "content": "Sunny in Paris, rain in Rome."},
     ]
+    tools = [
+        {
+            "type": "function",
+            "function": {
+                "name": "weather",
+                "description": "The weather in a city",
+                "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+            },
+        }
+    ]
     raw = {
         "__key__": "tools",
         "__restore_key__": ("test", "tools"),
         "__shard__": "s0",
-        "json": json.dumps({"messages": messages}).encode(),
+        "json": json.dumps({"messages": messages, "tools": tools}).encode(),
     }
     conv = cook_generic(raw)
     tok = family_tokenizer("qwen2_5", generation=generation)
     enc = PackingTaskEncoder(PackingEncoderConfig(modalities=[]), tokenizer=tok)
     ids, mask = energon_mask(enc, conv)
-    assert ids == hf_mask(tok, messages)[0]
+    # the sample's tool schemas reach the template, as apply_chat_template(tools=) hands them
+    theirs = tok.apply_chat_template(
+        messages, tools=tools, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+    )
+    assert ids == list(theirs["input_ids"])
+    assert '"description": "The weather in a city"' in tok.decode(ids)
+    assert masks.from_chat_template(tok, messages, tools=tools)[0].tolist() == ids
     trained = tok.decode([t for t, m in zip(ids, mask, strict=True) if m])
     assert trained.count('<tool_call>\n{"name": "weather", "arguments": {"city": "Paris"}}') == 2
     assert "<tool_response>" not in trained and "Weather in Paris" not in trained
     if generation:
-        assert mask == hf_mask(tok, messages)[1]
+        assert mask == list(theirs["assistant_masks"])
 
 
 # Llama 2's released chat template (Mistral's [INST] templates have the same shape): the reply

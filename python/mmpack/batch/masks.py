@@ -145,8 +145,11 @@ def from_chat_template(
     tokenizer: Any,
     messages: Sequence[Mapping[str, Any]],
     train_roles: Sequence[str] = ("assistant",),
+    *,
+    tools: Sequence[Mapping[str, Any]] | None = None,
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Token ids and loss mask of a conversation rendered by a Hugging Face chat template.
+    """Token ids and loss mask of a conversation rendered by a Hugging Face chat template
+    (with the JSON tool schemas `tools`, as ``apply_chat_template(..., tools=)``).
 
     Returns ``(token_ids, mask)``: 1-D int64 and bool numpy arrays of equal length; the tokens
     are ``apply_chat_template(messages, tokenize=True)``'s. The conversation is rendered once
@@ -182,7 +185,7 @@ def from_chat_template(
     rendering = templates.render(
         template,
         msgs,
-        variables=templates.template_variables(tokenizer),
+        variables=templates.template_variables(tokenizer, tools=tools),
         trace_values=traced,
         trace_turns=traced,
     )

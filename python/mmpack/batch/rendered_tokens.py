@@ -184,27 +184,40 @@ def token_offsets(encoding: Any) -> np.ndarray:
 
 
 def untruncated_encode(backend: Any, text: str) -> Any:
-    """`text` tokenized without special tokens, truncation or padding, whatever the backend
-    tokenizer was left set to (transformers' ``__call__`` resets both on every call; a
-    ``tokenizer.json`` may configure them)."""
-    if backend.truncation is None and backend.padding is None:
+    """`text` tokenized without special tokens added, truncation, padding or special tokens
+    split, whatever the backend tokenizer was left set to (transformers' ``__call__`` resets
+    all three on every call; a ``tokenizer.json`` may configure them)."""
+    if (
+        backend.truncation is None
+        and backend.padding is None
+        and not getattr(backend, "encode_special_tokens", False)
+    ):
         return backend.encode(text, add_special_tokens=False)
     return _plain_copy(backend).encode(text, add_special_tokens=False)
 
 
-_PLAIN_COPIES: dict[tuple[int, str, str], Any] = {}
+#: id of a backend -> (that backend, its plain copy); the backend is held so its id is not
+#: reused by another tokenizer while the entry lives
+_PLAIN_COPIES: dict[int, tuple[Any, Any, str]] = {}
 
 
 def _plain_copy(backend: Any) -> Any:
-    key = (id(backend), repr(backend.truncation), repr(backend.padding))
-    plain = _PLAIN_COPIES.get(key)
-    if plain is None or plain.get_vocab_size() != backend.get_vocab_size():
-        plain = copy.deepcopy(backend)
-        plain.no_truncation()
-        plain.no_padding()
-        if len(_PLAIN_COPIES) >= 8:
-            _PLAIN_COPIES.clear()
-        _PLAIN_COPIES[key] = plain
+    state = repr(
+        (backend.truncation, backend.padding, getattr(backend, "encode_special_tokens", False))
+    )
+    held = _PLAIN_COPIES.get(id(backend))
+    if held is not None and held[0] is backend and held[2] == state:
+        plain = held[1]
+        if plain.get_vocab_size() == backend.get_vocab_size():
+            return plain
+    plain = copy.deepcopy(backend)
+    plain.no_truncation()
+    plain.no_padding()
+    if hasattr(plain, "encode_special_tokens"):
+        plain.encode_special_tokens = False
+    if len(_PLAIN_COPIES) >= 8:
+        _PLAIN_COPIES.clear()
+    _PLAIN_COPIES[id(backend)] = (backend, plain, state)
     return plain
 
 

@@ -67,13 +67,13 @@ def has_generation_markers(template: str | None) -> bool:
     return template is not None and bool(GENERATION_TAG.search(_COMMENT.sub("", template)))
 
 
-def template_variables(tokenizer: Any) -> dict[str, Any]:
-    """What ``apply_chat_template`` hands a template besides the messages: the tokenizer's
-    special tokens (``bos_token``, ``eos_token``, ...), no tools, no documents, no generation
-    prompt."""
+def template_variables(tokenizer: Any, tools: Any = None) -> dict[str, Any]:
+    """What ``apply_chat_template(messages, tools=tools)`` hands a template besides the
+    messages: the tokenizer's special tokens (``bos_token``, ``eos_token``, ...), the tool
+    schemas, no documents, no generation prompt."""
     special = getattr(tokenizer, "special_tokens_map", None) or {}
     variables = {str(k): _plain(v) for k, v in dict(special).items()}
-    variables.update(tools=None, documents=None, add_generation_prompt=False)
+    variables.update(tools=_plain(tools), documents=None, add_generation_prompt=False)
     return variables
 
 

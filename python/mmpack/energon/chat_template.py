@@ -255,7 +255,7 @@ class ChatTemplateEncoder:
             self.template,
             messages,
             # read now: a special token set after construction renders as transformers does
-            variables=templates.template_variables(self.tokenizer),
+            variables=templates.template_variables(self.tokenizer, tools=conversation.tools),
             sample_id=key,
             trace_values=traced,
             # turns place media placeholders, and name the message a stray one is in

@@ -83,6 +83,16 @@ def _dataset_path(raw: dict[str, Any]) -> str:
     return ""
 
 
+def _tools(key: str, obj: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """The sample's top-level ``tools`` (tool schemas for the template), or None."""
+    tools = obj.get("tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+        raise SampleFormatError(f"sample {key!r}: 'tools' must be a list of tool schemas")
+    return tools
+
+
 def _turn(key: str, index: int, role: str, parts: list[Part], fields: Any) -> Turn:
     try:
         return Turn(role=role, parts=tuple(parts), fields=fields)
@@ -162,7 +172,9 @@ def cook_generic(raw: dict[str, Any], **_aux: Any) -> Conversation:
             )
         fields = {k: v for k, v in message.items() if k not in _GENERIC_KEYS}
         turns.append(_turn(key, m_idx, message["role"], parts, fields))
-    return Conversation(**basic_sample_keys(raw), source_format=GENERIC, turns=turns)
+    return Conversation(
+        **basic_sample_keys(raw), source_format=GENERIC, turns=turns, tools=_tools(key, obj)
+    )
 
 
 @stateless
@@ -246,7 +258,9 @@ def cook_fragments(raw: dict[str, Any], *, media: Any = None, **_aux: Any) -> Co
                 parts.append(Part(text=text, trainable=trainable))
         fields = {k: v for k, v in turn.items() if k not in _FRAGMENTS_KEYS}
         turns.append(_turn(key, t_idx, turn["role"], parts, fields))
-    return Conversation(**basic_sample_keys(raw), source_format=FRAGMENTS, turns=turns)
+    return Conversation(
+        **basic_sample_keys(raw), source_format=FRAGMENTS, turns=turns, tools=_tools(key, obj)
+    )
 
 
 def default_cookers() -> list[Cooker]:

@@ -146,6 +146,10 @@ class Conversation(Sample):
 
     source_format: str
     turns: list[Turn]
+    #: the tool schemas the conversation was written with (the chat format's top-level
+    #: ``tools``), handed to the template as ``apply_chat_template(..., tools=)`` does; None:
+    #: none
+    tools: list[dict[str, Any]] | None = None
 
 
 @edataclass
