@@ -275,3 +275,34 @@ def test_a_reply_joined_to_the_templates_space_trains_its_first_word(mode: str |
         PackingEncoderConfig(modalities=[], loss_mask_mode=mode), tokenizer=tok
     )
     assert energon_mask(enc, cooked(messages)) == (ids.tolist(), mask.astype(int).tolist())
+
+
+@pytest.mark.parametrize("mode", [None, "precomputed"])
+def test_the_released_templates_train_what_opens_a_reply_on_its_own_line(
+    mode: str | None,
+) -> None:
+    """What a template writes on the lines after a reply's header, before the reply's values
+    (Qwen3's ``<think>`` around the reasoning it moves out of the content, Llama 3.1's
+    ``{"name": "`` opening a tool call), is the reply's: trained, so the model learns to open
+    them; the header line never is."""
+    qwen3 = family_tokenizer("qwen3", generation=False)
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "<think>\nPLAN\n</think>\n\nANSWER"},
+    ]
+    llama = family_tokenizer("llama3_1", generation=False)
+    call = {"type": "function", "function": {"name": "get_weather", "arguments": {"city": "P"}}}
+    tool_turn = [
+        {"role": "user", "content": "weather?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+    ]
+    for tok, msgs, reply in (
+        (qwen3, messages, "<think>\nPLAN\n</think>\n\nANSWER<|im_end|>\n"),
+        (llama, tool_turn, '{"name": "get_weather", "parameters": {"city": "P"}}<|eot_id|>'),
+    ):
+        ids, mask = masks.from_chat_template(tok, msgs)
+        assert tok.decode([t for t, m in zip(ids.tolist(), mask, strict=True) if m]) == reply
+        enc = PackingTaskEncoder(
+            PackingEncoderConfig(modalities=[], loss_mask_mode=mode), tokenizer=tok
+        )
+        assert energon_mask(enc, cooked(msgs)) == (ids.tolist(), mask.astype(int).tolist())

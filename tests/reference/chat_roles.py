@@ -2,9 +2,10 @@
 rendering: which characters of ``apply_chat_template(..., tokenize=False)`` each message owns.
 
 The rule: a message owns every character its values rendered, and the rest of its turn (its
-iteration of the template's loop over the messages) from the first of its values, or the first
-iteration over one of its own items (a tool call, a content item) that wrote something, on.
-Nothing else belongs to a message.
+iteration of the template's loop over the messages) from the first of: its first value, the
+first iteration over one of its own items (a tool call, a content item) that wrote something,
+and the first non-blank character of the line after the one that wrote its role. Nothing else
+belongs to a message.
 
 Derived here without the product's renderer, in plain Python around transformers:
 
@@ -115,6 +116,13 @@ def owners(
         m = first + k
         starts = [s for s, _, o in value_spans if o == m and a <= s <= b]
         starts += [s for s, e in items if a <= s and e <= b]
+        # the line after the header line that wrote the message's role (its last writing
+        # before the message's first value), from its first non-blank character
+        role = messages[m].get("role", "")
+        at = text.rfind(role, a, min(starts, default=b)) if role else -1
+        line_end = text.find("\n", at + len(role), b) if at >= 0 else -1
+        if line_end >= 0:
+            starts.append(len(text) - len(text[line_end:].lstrip()))
         if starts:
             for c in range(min(starts), b):
                 owner[c] = m

@@ -195,7 +195,7 @@ def from_chat_template(
         raise ChatTemplateError(
             f"the tokenizer cannot encode the rendering ({type(err).__name__}: {err})"
         ) from err
-    tokens = RenderedTokens(rendering, token_offsets(encoding), len(msgs))
+    tokens = RenderedTokens(rendering, token_offsets(encoding), len(msgs), msg_roles)
     labels = tokens.role_labels(msg_roles, uses_blocks)
     if traced:
         only_blocks = tokens.generation_messages(msg_roles, uses_blocks)

@@ -6,8 +6,11 @@ blocks leaves outside them). A message owns:
 * every character its own values produced (`mmpack.batch.templates.Rendering.values`): its
   text, tool calls, reasoning, wherever the template put them (a system prompt the template
   renders inside the first user turn stays the system message's);
-* the rest of its turn from its first value on: what the template closes the turn with (its
-  end-of-turn token) and writes between its values.
+* the rest of its turn from its first value on, or from the first non-blank character after
+  its header line (the last line before its first value that names its role), whichever
+  comes first: what the template writes before its values on their own lines (Qwen3's
+  ``<think>``, Llama 3.1's ``{"name": "`` of a tool call), between them, and closes the turn
+  with (its end-of-turn token).
 
 Nothing else belongs to a message: role headers, a default system prompt or date line the
 template injects, separators, the text before the first turn. A token belongs to a message
@@ -29,6 +32,7 @@ from __future__ import annotations
 import copy
 import functools
 import itertools
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,6 +43,7 @@ from mmpack.errors import ChatTemplateError
 
 __all__ = ["GENERATION_ROLE", "RenderedTokens", "token_offsets", "untruncated_encode"]
 
+_NON_BLANK = re.compile(r"\S")
 #: The role whose output ``{% generation %}`` blocks mark.
 GENERATION_ROLE = "assistant"
 
@@ -48,8 +53,16 @@ class RenderedTokens:
     tokenizer's ``offsets``): `owner` (the message that owns every character of it, or -1),
     `turn` (the message whose turn holds its first character, or -1) and `in_generation`."""
 
-    def __init__(self, rendering: Rendering, offsets: np.ndarray, n_messages: int) -> None:
+    def __init__(
+        self,
+        rendering: Rendering,
+        offsets: np.ndarray,
+        n_messages: int,
+        roles: Sequence[str] = (),
+    ) -> None:
         self.rendering = rendering
+        #: each message's role, as the header that names it is looked for
+        self.roles = tuple(roles)
         self.offsets = np.asarray(offsets, dtype=np.int64).reshape(-1, 2)
         self.n_messages = n_messages
         self.in_generation = _overlaps(rendering.generation, self.offsets[:, 0], self.offsets[:, 1])
@@ -67,14 +80,24 @@ class RenderedTokens:
     def char_owner(self) -> np.ndarray:
         """Per character: the message that owns it (module docstring), or -1."""
         rendering = self.rendering
-        out = np.full(len(rendering.text), -1, dtype=np.int64)
-        value_starts: dict[int, list[int]] = {}
+        text = rendering.text
+        out = np.full(len(text), -1, dtype=np.int64)
+        starts: dict[int, list[int]] = {}
         for v in rendering.values:
-            value_starts.setdefault(v.message, []).append(v.start)
+            starts.setdefault(v.message, []).append(v.start)
         for m, (a, b) in enumerate(rendering.turns):
-            inside = [s for s in value_starts.get(m, ()) if a <= s <= b] if a >= 0 else ()
-            if inside:
-                out[min(inside) : b] = m
+            inside = [s for s in starts.get(m, ()) if a <= s <= b] if a >= 0 else []
+            if not inside:
+                continue
+            first = min(inside)
+            role = self.roles[m] if m < len(self.roles) else ""
+            # the header line: the last line before the first value that names the role
+            at = text.rfind(role, a, first) if role else -1
+            line_end = text.find("\n", at + len(role), first) if at >= 0 else -1
+            if line_end >= 0:
+                blank_run = _NON_BLANK.search(text, line_end, first)
+                first = blank_run.start() if blank_run else first
+            out[first:b] = m
         for v in rendering.values:
             out[v.start : v.end] = v.message
         return out

@@ -271,7 +271,7 @@ class ChatTemplateEncoder:
             ) from err
         ids = np.asarray(encoding.ids, dtype=np.int64)
         offsets = token_offsets(encoding)
-        tokens = RenderedTokens(rendering, offsets, len(turns))
+        tokens = RenderedTokens(rendering, offsets, len(turns), roles)
         labels = tokens.role_labels(roles, self.uses_generation_blocks)
 
         if not precomputed:
