@@ -270,3 +270,90 @@ def test_a_freed_tokenizers_plain_copy_is_never_reused_for_another() -> None:
     messages = [{"role": "user", "content": " ZZTOP"}]
     ids, _ = masks.from_chat_template(other, messages)
     assert ids.tolist() == other.apply_chat_template(messages)["input_ids"]
+
+
+def test_with_flags_a_block_still_trains_an_unflagged_message_it_holds() -> None:
+    """A block holding the assistant's call and the tool result after it: HF trains both; a
+    flag on the call alone does not stop the result from training (the block decides for a
+    message without flags of its own)."""
+    template = (
+        "{% for m in messages %}{% if m.role == 'assistant' %}<|im_start|>assistant\n"
+        "{% generation %}{{ m.content }}<|im_end|>\n"
+        "{% if not loop.last and messages[loop.index0 + 1].role == 'tool' %}<|im_start|>tool\n"
+        "{{ messages[loop.index0 + 1].content }}<|im_end|>\n{% endif %}{% endgeneration %}"
+        "{% elif m.role == 'tool' %}{% else %}<|im_start|>{{ m.role }}\n{{ m.content }}"
+        "<|im_end|>\n{% endif %}{% endfor %}"
+    )
+    tok = qwen2_vl_tokenizer(template)
+    messages = [
+        {"role": "user", "content": "USERQ"},
+        {"role": "assistant", "content": "CALL"},
+        {"role": "tool", "content": "TOOLOUT"},
+        {"role": "assistant", "content": "FINAL"},
+    ]
+    expected = hf(tok, messages)
+    assert "TOOLOUT" in trained(tok, *expected)
+    conv = cooked_conversation(
+        "block",
+        [
+            Turn("user", (Part(text="USERQ"),)),
+            Turn("assistant", (Part(text="CALL", trainable=True),)),
+            Turn("tool", (Part(text="TOOLOUT"),)),
+            Turn("assistant", (Part(text="FINAL"),)),
+        ],
+    )
+    assert energon_mask(energon(tok, "precomputed"), conv) == expected
+    flagged_off = cooked_conversation(
+        "block",
+        [
+            Turn("user", (Part(text="USERQ"),)),
+            Turn("assistant", (Part(text="CALL", trainable=True),)),
+            Turn("tool", (Part(text="TOOLOUT", trainable=False),)),
+            Turn("assistant", (Part(text="FINAL"),)),
+        ],
+    )
+    ids, mask = energon_mask(energon(tok, "precomputed"), flagged_off)
+    assert "TOOLOUT" not in trained(tok, ids, mask) and "CALL" in trained(tok, ids, mask)
+
+
+def test_an_images_wrapper_tokens_follow_its_placeholder_in_precomputed_mode(
+    qwen_processor: Any,
+) -> None:
+    from mmpack.energon.media import MediaHandle
+    from mmpack_dev.synthetic import png_bytes
+
+    image = MediaHandle(
+        kind="image",
+        key="a.png",
+        sample_key="img",
+        source=("test", "a.png"),
+        data=png_bytes(56, 56, seed=1),
+        meta={},
+    )
+    enc = PackingTaskEncoder(
+        PackingEncoderConfig(modalities=["image"], loss_mask_mode="precomputed"),
+        processor=qwen_processor,
+    )
+    tok = qwen_processor.tokenizer
+    for turns in (
+        [
+            Turn("user", (Part(text="draw"),)),
+            Turn(
+                "assistant",
+                (
+                    Part(text="here:", trainable=False),
+                    Part(media=image),
+                    Part(text="done", trainable=True),
+                ),
+            ),
+        ],
+        [
+            Turn("user", (Part(media=image), Part(text="describe", trainable=True))),
+            Turn("assistant", (Part(text="ok", trainable=True),)),
+        ],
+    ):
+        ids, mask = energon_mask(enc, cooked_conversation("img", turns))
+        text = trained(tok, ids, mask)
+        # the message flags its parts: the image is not trained, nor what wraps it
+        assert "<|vision_start|>" not in text and "<|image_pad|>" not in text
+        assert "<|vision_end|>" not in text

@@ -366,10 +366,26 @@ class ChatTemplateEncoder:
         owner, turn = tokens.char_owner, tokens.char_turn
         fixed = np.zeros(len(rendering.text), dtype=np.bool_)  # a flag of its own
         fixed_flag = np.zeros(len(rendering.text), dtype=np.bool_)
+        # a media item's whole iteration (its <|vision_start|> and <|vision_end|> with its
+        # placeholder) takes the placeholder's flag
+        media_flag = {
+            int(offsets[t, 0]): bool(
+                by_role[int(tokens.turn[t])] and not flagged[int(tokens.turn[t])]
+            )
+            for t, _ in placeholders
+        }
+        for value in rendering.values:
+            if value.label == ("item",):
+                held = [f for at, f in media_flag.items() if value.start <= at < value.end]
+                if len(held) == 1:
+                    fixed[value.start : value.end] = True
+                    fixed_flag[value.start : value.end] = held[0]
         for value in rendering.values:
             label = value.label
             if isinstance(label, tuple) and len(label) == 2 and label[0] == "part":
                 part = turns[value.message].parts[label[1]]
+                if not flagged[value.message]:
+                    continue  # a message without flags: its role (or a block) decides
                 fixed[value.start : value.end] = True
                 fixed_flag[value.start : value.end] = (
                     by_role[value.message] if part.trainable is None else part.trainable
@@ -381,11 +397,14 @@ class ChatTemplateEncoder:
             fixed_flag[offsets[t, 0] : offsets[t, 1]] = by_role[m] and not flagged[m]
         # a character no message owns leaves the decision to the token's owner (labels)
         owned = np.where(owner >= 0, marker_of[owner.clip(0)], True)
-        # inside a block, text no message owns (a header the block holds) follows the turn
-        # it lies in, and text outside every turn the block alone
-        in_turn = np.where(turn >= 0, marker_of[turn.clip(0)], True)
+        # inside a block, the block decides for a message without flags of its own (a tool
+        # result the assistant's block holds); text no message owns (a header the block holds)
+        # follows the turn it lies in, and text outside every turn the block alone
+        explicit = np.asarray([bool(f) for f in flagged], dtype=np.bool_)
+        owned_in_block = np.where(explicit[owner.clip(0)], owned, True)
+        in_turn = np.where((turn >= 0) & explicit[turn.clip(0)], marker_of[turn.clip(0)], True)
         char_flag = np.where(fixed, fixed_flag, owned)
-        block_flag = np.where(fixed, fixed_flag, np.where(owner >= 0, owned, in_turn))
+        block_flag = np.where(fixed, fixed_flag, np.where(owner >= 0, owned_in_block, in_turn))
         covered = _all_set(char_flag, offsets)
         in_block = _all_set(block_flag, offsets)
         # a token with no text (none in a byte-level BPE) follows its owner's marker
