@@ -17,7 +17,7 @@ from mmpack.energon import PackingEncoderConfig, PackingTaskEncoder
 from mmpack.energon.samples import Conversation, Part, Turn
 from mmpack.errors import ChatTemplateError, EnergonConfigError, SampleFormatError
 from mmpack_dev.qwen_vocab import qwen2_vl_tokenizer
-from support.conversations import cooked_conversation
+from support.conversations import cooked_conversation, cooked_messages, encoded_mask
 
 CHATML = (
     "{%- for message in messages %}{{- '<|im_start|>' + message.role + '\\n' }}"
@@ -43,27 +43,13 @@ def trained(tok: Any, ids: Any, mask: Any) -> str:
 
 
 def cooked(messages: list[dict[str, Any]]) -> Conversation:
-    turns = []
-    for m in messages:
-        content = m.get("content") or ""
-        fields = {k: v for k, v in m.items() if k not in ("role", "content")}
-        turns.append(Turn(m["role"], (Part(text=content),) if content else (), fields=fields))
-    return cooked_conversation("edge", turns)
+    return cooked_messages("edge", messages)
 
 
 def energon(tok: Any, mode: str | None = None) -> PackingTaskEncoder:
     return PackingTaskEncoder(
         PackingEncoderConfig(modalities=[], loss_mask_mode=mode), tokenizer=tok
     )
-
-
-def energon_mask(enc: PackingTaskEncoder, conv: Conversation) -> tuple[list[int], list[int]]:
-    encoded = enc.encode_conversation(conv)
-    if encoded.loss_mask is not None:
-        mask = np.asarray(encoded.loss_mask, dtype=np.bool_)
-    else:
-        mask = masks.from_roles(encoded.message_lengths, encoded.message_roles, ("assistant",))
-    return encoded.token_ids.tolist(), mask.astype(int).tolist()
 
 
 def test_nested_generation_blocks_train_the_outer_block() -> None:
@@ -110,7 +96,7 @@ def test_a_loop_that_scans_the_messages_keeps_their_turns(scan: str) -> None:
     tok = qwen2_vl_tokenizer(scan)
     ids, mask = masks.from_chat_template(tok, MESSAGES)
     assert trained(tok, ids, mask) == "hello<|im_end|>\nbye<|im_end|>\n"
-    assert energon_mask(energon(tok), cooked(MESSAGES)) == (ids.tolist(), mask.astype(int).tolist())
+    assert encoded_mask(energon(tok), cooked(MESSAGES)) == (ids.tolist(), mask.astype(int).tolist())
 
 
 def test_a_rebound_loop_variable_still_ends_each_turn() -> None:
@@ -205,7 +191,7 @@ def test_a_tokenizer_left_truncating_padding_or_splitting_changes_nothing(state:
     ids, mask = masks.from_chat_template(tok, MESSAGES)
     assert ids.tolist() == expected_ids
     assert trained(tok, ids, mask) == "hello<|im_end|>\nbye<|im_end|>\n"
-    assert energon_mask(enc, cooked(MESSAGES))[0] == expected_ids
+    assert encoded_mask(enc, cooked(MESSAGES))[0] == expected_ids
 
 
 def test_a_special_token_set_after_construction_renders_as_transformers_does() -> None:
@@ -213,7 +199,7 @@ def test_a_special_token_set_after_construction_renders_as_transformers_does() -
     tok.bos_token = "<|endoftext|>"
     enc = energon(tok)
     tok.bos_token = "<|vision_start|>"
-    assert energon_mask(enc, cooked(MESSAGES))[0] == hf(tok, MESSAGES)[0]
+    assert encoded_mask(enc, cooked(MESSAGES))[0] == hf(tok, MESSAGES)[0]
 
 
 def test_values_transformers_converts_render_as_it_renders_them() -> None:
@@ -302,7 +288,7 @@ def test_with_flags_a_block_still_trains_an_unflagged_message_it_holds() -> None
             Turn("assistant", (Part(text="FINAL"),)),
         ],
     )
-    assert energon_mask(energon(tok, "precomputed"), conv) == expected
+    assert encoded_mask(energon(tok, "precomputed"), conv) == expected
     flagged_off = cooked_conversation(
         "block",
         [
@@ -312,7 +298,7 @@ def test_with_flags_a_block_still_trains_an_unflagged_message_it_holds() -> None
             Turn("assistant", (Part(text="FINAL"),)),
         ],
     )
-    ids, mask = energon_mask(energon(tok, "precomputed"), flagged_off)
+    ids, mask = encoded_mask(energon(tok, "precomputed"), flagged_off)
     assert "TOOLOUT" not in trained(tok, ids, mask) and "CALL" in trained(tok, ids, mask)
 
 
@@ -352,7 +338,7 @@ def test_an_images_wrapper_tokens_follow_its_placeholder_in_precomputed_mode(
             Turn("assistant", (Part(text="ok", trainable=True),)),
         ],
     ):
-        ids, mask = energon_mask(enc, cooked_conversation("img", turns))
+        ids, mask = encoded_mask(enc, cooked_conversation("img", turns))
         text = trained(tok, ids, mask)
         # the message flags its parts: the image is not trained, nor what wraps it
         assert "<|vision_start|>" not in text and "<|image_pad|>" not in text

@@ -18,17 +18,16 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mmpack.batch import masks
 from mmpack.energon import PackingEncoderConfig, PackingTaskEncoder
-from mmpack.energon.samples import Conversation, Part, Turn
+from mmpack.energon.samples import Conversation
 from mmpack_dev.chat_conversations import conversations
 from mmpack_dev.chat_templates import FAMILIES, family_tokenizer
 from reference.chat_roles import owners
-from support.conversations import cooked_conversation
+from support.conversations import cooked_messages, encoded_mask
 
 FAMILY_NAMES = sorted(FAMILIES)
 EXAMPLES = settings(
@@ -58,12 +57,7 @@ def text_only(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def cooked(messages: list[dict[str, Any]]) -> Conversation:
-    turns = []
-    for m in messages:
-        content = m.get("content") or ""
-        fields = {k: v for k, v in m.items() if k not in ("role", "content")}
-        turns.append(Turn(m["role"], (Part(text=content),) if content else (), fields=fields))
-    return cooked_conversation("drawn", turns)
+    return cooked_messages("drawn", messages)
 
 
 def energon_encoders(family: str, generation: bool) -> dict[Any, PackingTaskEncoder]:
@@ -74,16 +68,6 @@ def energon_encoders(family: str, generation: bool) -> dict[Any, PackingTaskEnco
         )
         for mode in (None, "precomputed")
     }
-
-
-def energon_mask(enc: PackingTaskEncoder, conv: Conversation) -> tuple[list[int], list[int]]:
-    encoded = enc.encode_conversation(conv)
-    if encoded.loss_mask is not None:
-        mask = np.asarray(encoded.loss_mask, dtype=np.bool_)
-    else:
-        mask = masks.from_roles(encoded.message_lengths, encoded.message_roles, ("assistant",))
-    assert encoded.trainable_tokens == int(mask.sum())
-    return encoded.token_ids.tolist(), mask.astype(int).tolist()
 
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
@@ -109,7 +93,7 @@ def test_energon_equals_the_templates_assistant_mask_in_both_modes(family: str) 
     def check(messages: list[dict[str, Any]]) -> None:
         expected = hf_mask(tok, messages)
         for enc in encoders.values():
-            assert energon_mask(enc, cooked(messages)) == expected
+            assert encoded_mask(enc, cooked(messages)) == expected
 
     check()
 
@@ -178,7 +162,7 @@ def test_the_roles_rule_holds_character_by_character(family: str) -> None:
         assert ids.tolist() == enc["input_ids"]
         assert mask.astype(int).tolist() == expected
         for e in encoders.values():
-            assert energon_mask(e, cooked(messages)) == (enc["input_ids"], expected)
+            assert encoded_mask(e, cooked(messages)) == (enc["input_ids"], expected)
 
     check()
 
@@ -220,7 +204,7 @@ def test_a_generic_sample_with_tool_calls_trains_its_calls(generation: bool) -> 
     conv = cook_generic(raw)
     tok = family_tokenizer("qwen2_5", generation=generation)
     enc = PackingTaskEncoder(PackingEncoderConfig(modalities=[]), tokenizer=tok)
-    ids, mask = energon_mask(enc, conv)
+    ids, mask = encoded_mask(enc, conv)
     # the sample's tool schemas reach the template, as apply_chat_template(tools=) hands them
     theirs = tok.apply_chat_template(
         messages, tools=tools, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
@@ -274,7 +258,7 @@ def test_a_reply_joined_to_the_templates_space_trains_its_first_word(mode: str |
     enc = PackingTaskEncoder(
         PackingEncoderConfig(modalities=[], loss_mask_mode=mode), tokenizer=tok
     )
-    assert energon_mask(enc, cooked(messages)) == (ids.tolist(), mask.astype(int).tolist())
+    assert encoded_mask(enc, cooked(messages)) == (ids.tolist(), mask.astype(int).tolist())
 
 
 @pytest.mark.parametrize("mode", [None, "precomputed"])
@@ -305,4 +289,4 @@ def test_the_released_templates_train_what_opens_a_reply_on_its_own_line(
         enc = PackingTaskEncoder(
             PackingEncoderConfig(modalities=[], loss_mask_mode=mode), tokenizer=tok
         )
-        assert energon_mask(enc, cooked(msgs)) == (ids.tolist(), mask.astype(int).tolist())
+        assert encoded_mask(enc, cooked(msgs)) == (ids.tolist(), mask.astype(int).tolist())
