@@ -9,6 +9,7 @@ mod mask;
 mod packed;
 mod packing;
 mod payload;
+mod placement;
 
 #[pymodule(gil_used = false)]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -16,6 +17,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     errors::register(m)?;
     packed::register(m)?;
     packing::register(m)?;
+    placement::register(m)?;
     payload::register(m)?;
     mask::register(m)?;
     batch::register(m)?;

@@ -11,12 +11,17 @@ mod bitset;
 mod firstfit;
 mod mbs;
 mod mffd;
+mod placement;
 mod pyrandom;
 mod ranks;
 
 use crate::error::{CoreError, CoreResult};
 
 pub use adjust::adjust_bin_count;
+pub use placement::{
+    place, placement_costs, segment_groups, Placement, PlacementCosts, PlacementInput,
+    PlacementKind, PlacementOptions,
+};
 pub use pyrandom::shuffle_permutation;
 pub use ranks::{assign_to_ranks, RankAssignment, RankCost};
 
