@@ -94,7 +94,7 @@ def test_accelerated_repeat_interleave_equals_deepcopy_version(
     nemo: types.ModuleType, share: bool
 ) -> None:
     reference_method = nemo.BatchedDataDict.repeat_interleave
-    assert compat.install(accelerate=True) == "patched"
+    assert compat.install(accelerate=True, placement="nemo_rl") == "patched"
     assert compat.accelerated()
     assert nemo.BatchedDataDict.repeat_interleave is not reference_method
     batch = grpo_batch()
@@ -120,7 +120,7 @@ def test_accelerated_repeat_interleave_equals_deepcopy_version(
 
 
 def test_packed_tensor_values_are_refused_like_nemo_rl(nemo: types.ModuleType) -> None:
-    compat.install(accelerate=True)
+    compat.install(accelerate=True, placement="nemo_rl")
     batch = BatchedDataDict({"pixel_values": mmpack.PackedTensor(torch.ones(2, 3), dim_to_pack=0)})
     with pytest.raises(NotImplementedError, match="PackedTensor does not currently support"):
         batch.repeat_interleave(2)
@@ -131,7 +131,7 @@ def test_uninstall_restores_nemo_rl_methods(nemo: types.ModuleType) -> None:
     compat.install()
     assert not compat.accelerated()
     assert nemo.BatchedDataDict.__dict__["repeat_interleave"] is original
-    compat.install(accelerate=True)  # a second call adds the methods
+    compat.install(accelerate=True, placement="nemo_rl")  # a second call adds the methods
     assert nemo.BatchedDataDict.__dict__["repeat_interleave"] is not original
     compat.uninstall()
     assert nemo.BatchedDataDict.__dict__["repeat_interleave"] is original
@@ -147,12 +147,12 @@ def test_accelerate_without_nemo_rl_changes_nothing() -> None:
     compat.uninstall()
     try:
         with pytest.raises(ImportError, match=r"nemo_rl\.distributed\.batched_data_dict"):
-            compat.install(accelerate=True)
+            compat.install(accelerate=True, placement="nemo_rl")
         assert compat.installed() is None and not compat.accelerated()
         assert "nemo_rl.data.multimodal_utils" not in sys.modules
         assert compat.install() == "shim"
         with pytest.raises(ImportError, match="shim"):
-            compat.install(accelerate=True)
+            compat.install(accelerate=True, placement="nemo_rl")
     finally:
         compat.uninstall()
         sys.modules.update(saved)
@@ -295,7 +295,7 @@ def test_accelerated_sequence_packing_shards_equal_the_plain_version(
         theirs = ReferenceBatchedDataDict.shard_by_batch_size(
             batch, shards, batch_size=batch_size, sequence_packing_args=args
         )
-        compat.install(accelerate=True)
+        compat.install(accelerate=True, placement="nemo_rl")
         fast_calls = ReferenceBatchedDataDict.reference_calls
         ours = batch.shard_by_batch_size(shards, batch_size=batch_size, sequence_packing_args=args)
         # the fast path ran (the plain method was not called again)
@@ -330,7 +330,7 @@ def test_accelerated_dynamic_batching_shards_equal_the_plain_version(
         theirs = ReferenceBatchedDataDict.shard_by_batch_size(
             batch, shards, batch_size=batch_size, dynamic_batching_args=args
         )
-        compat.install(accelerate=True)
+        compat.install(accelerate=True, placement="nemo_rl")
         calls = ReferenceBatchedDataDict.reference_calls
         ours = batch.shard_by_batch_size(shards, batch_size=batch_size, dynamic_batching_args=args)
         assert ReferenceBatchedDataDict.reference_calls == calls
@@ -341,7 +341,7 @@ def test_accelerated_dynamic_batching_shards_equal_the_plain_version(
 
 def test_sharding_outside_the_fast_path_runs_nemo_rls_method() -> None:
     with installed_standins():
-        compat.install(accelerate=True)
+        compat.install(accelerate=True, placement="nemo_rl")
         batch = train_batch(8, 5, 0)
         args = {
             "max_tokens_per_microbatch": 64,
@@ -400,7 +400,7 @@ def test_accelerated_from_batches_equals_the_plain_version(
             theirs = ReferenceBatchedDataDict.from_batches(batches, pads)
         except RuntimeError as exc:  # pad_sequence of no rows at all
             theirs_error = type(exc)
-        compat.install(accelerate=True)
+        compat.install(accelerate=True, placement="nemo_rl")
         try:
             ours = ReferenceBatchedDataDict.from_batches(batches, pads)
         except RuntimeError as exc:
@@ -419,7 +419,7 @@ def test_from_batches_width_comes_from_rows_only() -> None:
             {"input_ids": torch.ones(0, 9, dtype=torch.int64)},
         ]
         theirs = ReferenceBatchedDataDict.from_batches(batches)
-        compat.install(accelerate=True)
+        compat.install(accelerate=True, placement="nemo_rl")
         ours = ReferenceBatchedDataDict.from_batches(batches)
         assert ours["input_ids"].shape == theirs["input_ids"].shape == (2, 3)
 
@@ -473,7 +473,7 @@ def test_accelerated_flatten_equals_the_plain_version(
         plain = messages.batched_message_log_to_flat_message
         theirs, their_lengths = plain(logs, pads, divisible)
         # (install rebinds every module's copy of the function, this module's included)
-        compat.install(accelerate=True)
+        compat.install(accelerate=True, placement="nemo_rl")
         flatten = messages.batched_message_log_to_flat_message
         assert flatten is not plain
         ours, our_lengths = flatten(logs, pads, divisible)
@@ -490,7 +490,7 @@ def test_flatten_outside_the_fast_path_runs_nemo_rls_function() -> None:
         # NeMo-RL's per-row torch.cat promotes a row's mixed dtypes: the fast path must not
         logs[0][2]["token_ids"] = logs[0][2]["token_ids"].to(torch.int32)
         theirs, _ = reference_flatten(logs, None, 1)
-        compat.install(accelerate=True)
+        compat.install(accelerate=True, placement="nemo_rl")
         ours, _ = messages.batched_message_log_to_flat_message(logs, None, 1)
         same(ours, theirs, ReferenceBatchedDataDict({"logs": logs}))
         assert ours["token_ids"].dtype == torch.int64
@@ -510,7 +510,7 @@ def test_uninstall_restores_the_flatten_everywhere() -> None:
         importer.batched_message_log_to_flat_message = plain  # type: ignore[attr-defined]
         sys.modules["nemo_rl_importer"] = importer
         try:
-            compat.install(accelerate=True)
+            compat.install(accelerate=True, placement="nemo_rl")
             fast = messages.batched_message_log_to_flat_message
             assert importer.batched_message_log_to_flat_message is fast is not plain
             compat.uninstall()
@@ -548,7 +548,7 @@ def test_fast_paths_leave_nemo_rls_edge_cases_to_nemo_rl() -> None:
             {"input_ids": torch.zeros(0, 3), "input_lengths": torch.zeros(0)}
         )
         pack = packing_args(8)
-        compat.install(accelerate=True)
+        compat.install(accelerate=True, placement="nemo_rl")
         ours = ReferenceBatchedDataDict.from_batches(batches, pads)
         assert torch.equal(ours["input_ids"], theirs["input_ids"])
         assert int(ours["input_ids"][0, 3]) == 2**53
@@ -594,7 +594,7 @@ def test_rarer_inputs_get_nemo_rls_layout_and_errors() -> None:
         }
         with pytest.raises(TypeError) as theirs:
             train_batch(8, 5, 0).shard_by_batch_size(2, dynamic_batching_args=no_cap)
-        compat.install(accelerate=True)
+        compat.install(accelerate=True, placement="nemo_rl")
         our_flat, _ = messages.batched_message_log_to_flat_message(logs, None, 1)
         assert our_flat["frames"].stride() == their_flat["frames"].stride()
         assert torch.equal(our_flat["frames"], their_flat["frames"])
@@ -619,7 +619,7 @@ def test_a_module_importing_the_flatten_after_install_gets_nemo_rls_back() -> No
     with installed_standins():
         messages = sys.modules["nemo_rl.data.llm_message_utils"]
         plain = messages.batched_message_log_to_flat_message
-        compat.install(accelerate=True)
+        compat.install(accelerate=True, placement="nemo_rl")
         late = types.ModuleType("nemo_rl_late_importer")
         late.batched_message_log_to_flat_message = messages.batched_message_log_to_flat_message  # type: ignore[attr-defined]
         sys.modules["nemo_rl_late_importer"] = late
@@ -661,7 +661,7 @@ def test_stacking_with_nothing_to_pad_still_refuses_a_pad_the_dtype_cannot_hold(
     batches = [{"x": torch.ones(2, 3, dtype=dtype)}, {"x": torch.ones(1, 3, dtype=dtype)}]
     with installed_standins():
         theirs = outcome(lambda: ReferenceBatchedDataDict.from_batches(batches, {"x": pad}))
-        compat.install(accelerate=True)
+        compat.install(accelerate=True, placement="nemo_rl")
         ours = outcome(lambda: ReferenceBatchedDataDict.from_batches(batches, {"x": pad}))
     assert theirs[0] == "raised"
     assert ours == theirs
@@ -713,7 +713,7 @@ def test_odd_dtypes_and_layouts_go_to_nemo_rls_own_code(kind: str) -> None:
             ]
 
         theirs = [outcome(call) for call in calls()]
-        compat.install(accelerate=True)
+        compat.install(accelerate=True, placement="nemo_rl")
         before = ReferenceBatchedDataDict.reference_calls
         ours = [outcome(call) for call in calls()]
     assert ReferenceBatchedDataDict.reference_calls == before + 2  # both shardings fell back
@@ -752,7 +752,7 @@ def test_installs_and_uninstalls_from_many_threads_leave_nothing_behind() -> Non
         def churn() -> int:
             start.wait(timeout=30)
             for _ in range(20):
-                compat.install(accelerate=True)
+                compat.install(accelerate=True, placement="nemo_rl")
                 compat.uninstall()
             return 20
 

@@ -24,9 +24,17 @@ Algorithms (``ALGORITHMS``):
   about 0.5-1 s per million items at the default budget of 256. Tokens and
   ``max_items_per_bin`` only (no media budget).
 
+Placement (``place``): rows, or packed bins, on data-parallel ranks by what each rank really
+computes (the LLM's tokens, linear and quadratic, plus the vision tower's work on each *unique*
+media segment on the rank, once), with the rows that share media (a GRPO group) kept on one
+rank where balance allows; ``pack_groups`` keeps a group's rows in one bin where capacity
+allows.
+
 Rooms: ``pack`` (``pack`` and the algorithm names), ``result`` (``Packing``), ``ranks``
-(``assign_to_ranks`` / ``RankAssignment``: bins over data-parallel ranks), ``pyrandom`` (Python's
-shuffle, emulated), ``stats_cli`` (``mmpack pack-stats``). NeMo-RL's packer API (``get_packer``,
+(``assign_to_ranks`` / ``RankAssignment``: bins over data-parallel ranks by tokens),
+``placement`` (``place`` / ``placement_of`` / ``PlacementCost`` / ``RankPlacement``),
+``group_packing`` (``pack_groups``), ``pyrandom`` (Python's shuffle, emulated), ``stats_cli``
+(``mmpack pack-stats``). NeMo-RL's packer API (``get_packer``,
 ``SequencePacker``, ``PackingAlgorithm``, ``PackingMetrics``) is an integration and lives in
 ``mmpack.compat.nemo_rl.packing``.
 """
@@ -34,11 +42,25 @@ shuffle, emulated), ``stats_cli`` (``mmpack pack-stats``). NeMo-RL's packer API 
 from typing import Any
 
 from mmpack import _moved
+from mmpack.packing.group_packing import pack_groups
 from mmpack.packing.pack import ALGORITHMS, algorithm_name, pack
+from mmpack.packing.placement import PlacementCost, RankPlacement, place, placement_of
 from mmpack.packing.ranks import RankAssignment, assign_to_ranks
 from mmpack.packing.result import Packing
 
-__all__ = ["ALGORITHMS", "Packing", "RankAssignment", "algorithm_name", "assign_to_ranks", "pack"]
+__all__ = [
+    "ALGORITHMS",
+    "Packing",
+    "PlacementCost",
+    "RankAssignment",
+    "RankPlacement",
+    "algorithm_name",
+    "assign_to_ranks",
+    "pack",
+    "pack_groups",
+    "place",
+    "placement_of",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 
+from mmpack.compat.nemo_rl import placement
 from mmpack.compat.nemo_rl.deepcopy import deepcopy
 from mmpack.packed.buffers import BUFFER_DTYPES
 
@@ -210,6 +211,13 @@ def _shard(
     return _shard_dynamic(self, module, shards, batch_size, total // batch_size, dynamic_args)
 
 
+def _row_media(data: Mapping[str, Any], module: Any, total: int) -> placement.RowMedia | None:
+    """The rows' shared media under ``placement="groups"``, else ``None`` (NeMo-RL's placement)."""
+    if placement.settings().mode != "groups":
+        return None
+    return placement.RowMedia.of(data, module.PackedTensor, total)
+
+
 def _shard_packing(
     self: Any, module: Any, shards: int, batch_size: int, chunks: int, args: Mapping[str, Any]
 ) -> Any:
@@ -230,15 +238,23 @@ def _shard_packing(
         return None
     lengths_list = lengths.tolist()
     multiple = args["sequence_length_pad_multiple"]
+    media = _row_media(self.data, module, total=chunks * batch_size)
     padded_by_chunk = []
-    bins_by_chunk = []
+    bins_by_chunk: list[list[list[list[int]]]] = []  # per chunk, per shard, its bins
     for c in range(chunks):
         padded = [
             (n + multiple - 1) // multiple * multiple
             for n in lengths_list[c * batch_size : (c + 1) * batch_size]
         ]
         padded_by_chunk.append(padded)
-        bins_by_chunk.append(packer.pack(sequence_lengths=padded))
+        start = c * batch_size
+        if media is not None and media.shared_within(start, start + batch_size):
+            if not all(type(n) is int and n >= 0 for n in padded):
+                return None  # NeMo-RL's packer meets such lengths its own way
+            bins_by_chunk.append(placement.packing_shards(media, start, padded, shards, args))
+        else:
+            bins = packer.pack(sequence_lengths=padded)
+            bins_by_chunk.append([bins[s::shards] for s in range(shards)])
 
     shard_bins: list[list[list[int]]] = [[] for _ in range(shards)]  # global rows per bin
     micro_indices: list[list[list[list[int]]]] = [[] for _ in range(shards)]
@@ -248,7 +264,7 @@ def _shard_packing(
         start = c * batch_size
         padded = padded_by_chunk[c]
         for s in range(shards):
-            bins = bins_by_chunk[c][s::shards]
+            bins = bins_by_chunk[c][s]
             if order == "largest_first":
                 bins = sorted(bins, key=lambda b: sum(padded[i] for i in b), reverse=True)
             if not bins or any(len(b) == 0 for b in bins):
@@ -314,13 +330,22 @@ def _shard_dynamic(
     if any(torch.is_tensor(v) and v.device.type != "cpu" for v in self.data.values()):
         return None  # NeMo-RL's CPU index meets them in its own way
     lengths_list = lengths.tolist()
+    media = None
+    if not lengths.is_floating_point() and lengths.dtype is not torch.bool:
+        media = _row_media(self.data, module, total=chunks * batch_size)
     order: list[int] = []
     for c in range(chunks):
         start = c * batch_size
         chunk = lengths_list[start : start + batch_size]
-        ranked = [i + start for i in sorted(range(batch_size), key=chunk.__getitem__)]
-        for s in range(shards):
-            order.extend(ranked[s::shards])
+        ranked = sorted(range(batch_size), key=chunk.__getitem__)
+        nemo_order = [i for s in range(shards) for i in ranked[s::shards]]
+        if (
+            media is not None
+            and min(chunk) >= 0
+            and media.shared_within(start, start + batch_size)
+        ):
+            nemo_order = placement.dynamic_order(media, start, chunk, shards, nemo_order)
+        order.extend(i + start for i in nemo_order)
 
     # NeMo-RL reorders every value by ``order`` and then copies each shard's ranges out of the
     # reordered copy; a tensor's shard is the same rows selected from the source in one copy.

@@ -9,6 +9,7 @@ import threading
 import types
 from typing import Any
 
+from mmpack.packing.placement import PlacementCost
 from mmpack.safe_load.loader import NEMO_RL_MODULE
 
 __all__ = [
@@ -49,7 +50,12 @@ def accelerated() -> bool:
     return _InstallState.accelerated
 
 
-def install(*, accelerate: bool = False) -> str:
+def install(
+    *,
+    accelerate: bool = False,
+    placement: str = "groups",
+    placement_cost: PlacementCost | None = None,
+) -> str:
     """Make NeMo-RL use ``mmpack.PackedTensor``; return ``"patched"`` or ``"shim"``.
 
     It also turns on the object-store path (``mmpack.packed.ray_store``): a value Ray
@@ -64,10 +70,23 @@ def install(*, accelerate: bool = False) -> str:
     name); it needs NeMo-RL's ``batched_data_dict`` and ``llm_message_utils`` modules to import,
     and raises ``ImportError`` naming the one that did not.
 
+    ``placement`` (with ``accelerate=True``): how ``shard_by_batch_size`` with sequence packing
+    or dynamic batching places rows on the data-parallel ranks. ``"groups"`` (the default) keeps
+    the rows that share media (a GRPO prompt's G rows) on one rank where balance allows, by
+    ``placement_cost`` (``mmpack.packing.PlacementCost``: tokens, attention, vision patches):
+    each row stays in its global batch and the loss summed over ranks is unchanged, but rows
+    move between ranks and micro-batches (``mmpack.compat.nemo_rl.placement``). ``"nemo_rl"``
+    keeps NeMo-RL's placement exactly.
+
     Idempotent: a second call returns the mode of the first without doing anything, except that
-    ``accelerate=True`` adds the methods if the first call did not. Thread-safe.
+    ``accelerate=True`` adds the methods if the first call did not, and sets the placement
+    arguments it is given. Thread-safe.
     """
+    from mmpack.compat.nemo_rl.placement import configure
+
     with _LOCK:
+        if accelerate:
+            configure(placement, placement_cost)  # checks them before anything changes
         return _install(accelerate)
 
 
@@ -222,3 +241,6 @@ def _uninstall() -> None:
     _InstallState.shim_modules = []
     _InstallState.mode = None
     _InstallState.accelerated = False
+    from mmpack.compat.nemo_rl.placement import configure
+
+    configure("groups", None)
