@@ -251,6 +251,13 @@ class _Inputs:
             offsets, ids = _row_segments(segments, segment_offsets, n)
             patch_counts = lengths_array(patches, "patches")
             _non_negative(patch_counts, "patches", "segment")
+            bad = np.flatnonzero((ids < 0) | (ids >= len(patch_counts)))
+            if len(bad):
+                i = int(bad[0])
+                raise PackingArgumentError(
+                    f"invalid packing argument segments: entry {i} ({int(ids[i])}) names no "
+                    f"segment of the {len(patch_counts)} with patches"
+                )
         row_costs = cost.rows(rows)
         if bins is not None:
             row_costs, offsets, ids = _bin_items(bins, n, row_costs, offsets, ids)
@@ -277,6 +284,12 @@ def _row_segments(
             raise PackingArgumentError(
                 f"invalid packing argument segment_offsets: {len(offsets)} offsets for {n} "
                 f"rows (needs {n + 1})"
+            )
+        if offsets[0] != 0 or offsets[-1] != len(ids) or np.any(np.diff(offsets) < 0):
+            raise PackingArgumentError(
+                f"invalid packing argument segment_offsets: not CSR offsets over the "
+                f"{len(ids)} segments (they must start at 0, never decrease and end at "
+                f"{len(ids)})"
             )
         return offsets, ids
     if len(segments) != n:
