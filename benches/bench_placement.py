@@ -195,9 +195,12 @@ def million_rows() -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument(
+        "--prompts", type=lambda v: [int(x) for x in v.split(",")], default=[256, 1024, 4096]
+    )
     ap.add_argument("--out", default="bench-results/bench_placement.json")
     args = ap.parse_args()
-    sizes = [(64, 8)] if args.quick else [(b, g) for b in (256, 1024, 4096) for g in (8, 16)]
+    sizes = [(64, 8)] if args.quick else [(b, g) for b in args.prompts for g in (8, 16)]
     report: dict[str, Any] = {"machine": platform.platform(), "ranks": RANKS}
     for long_tail in (False, True):
         for mode in ("packing", "dynamic"):

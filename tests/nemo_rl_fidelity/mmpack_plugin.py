@@ -21,6 +21,8 @@ import pytest
 WORKER_SITE = Path(__file__).resolve().parent / "worker_site"
 # Set by run_fidelity.py --accelerate: mmpack's BatchedDataDict methods go in too.
 ACCELERATE = os.environ.get("MMPACK_NEMO_RL_ACCELERATE") == "1"
+# Set by run_fidelity.py --placement (with --accelerate): where shard_by_batch_size puts rows.
+PLACEMENT = os.environ.get("MMPACK_NEMO_RL_PLACEMENT") or None
 
 _MODE = pytest.StashKey[str]()
 
@@ -36,8 +38,13 @@ def pytest_load_initial_conftests(early_config: pytest.Config) -> None:
 
 
 def _install(nemo_rl: Any) -> str:
-    # Without --accelerate, the plain call: it works with any mmpack version in the venv.
-    return str(nemo_rl.install(accelerate=True) if ACCELERATE else nemo_rl.install())
+    # Each option only when asked for: the plain calls work with any mmpack version in the venv
+    # (``placement=`` is newer than ``accelerate=``).
+    if not ACCELERATE:
+        return str(nemo_rl.install())
+    if PLACEMENT is None:
+        return str(nemo_rl.install(accelerate=True))
+    return str(nemo_rl.install(accelerate=True, placement=PLACEMENT))
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -26,6 +26,10 @@ Options worth knowing:
 * ``--no-install``: use the venv as it is (no pip at all);
 * ``--accelerate``: run B with ``install(accelerate=True)`` (NeMo-RL's hot ``BatchedDataDict``
   methods replaced by mmpack's as well);
+* ``--placement {groups,nemo_rl}`` (with ``--accelerate``): run B with
+  ``install(accelerate=True, placement=...)``, in the test process and in the processes it
+  starts (``MMPACK_NEMO_RL_PLACEMENT``); without it, mmpack's default placement, through the
+  plain call, which an mmpack older than the option also takes;
 * ``--files F [F ...]``: test files relative to the checkout, instead of the default selection
   (every file under tests/unit that mentions PackedTensor, plus ``EXTRA_FILES``);
 * ``--file-timeout`` / ``--test-timeout``: seconds per pytest process / per test;
@@ -74,7 +78,7 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve().parent
-REPO_ROOT = HERE.parents[2]
+REPO_ROOT = HERE.parents[1]
 REQUIREMENTS = HERE / "requirements.txt"
 
 # Beyond `git grep -l PackedTensor -- tests/unit`: files whose code under test builds or moves
@@ -138,6 +142,8 @@ def main(argv: list[str] | None = None) -> int:
         "nemo_rl_commit": _git(checkout, "rev-parse", "HEAD"),
         "venv_python": str(python),
         "mmpack_source": args.mmpack_wheel or str(REPO_ROOT),
+        "accelerate": args.accelerate,
+        "placement": args.placement,
         **versions,
         "files": files,
         "run_seconds": {name: round(value, 1) for name, value in seconds.items()},
@@ -175,6 +181,11 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="run B with install(accelerate=True): mmpack's BatchedDataDict methods too",
     )
+    parser.add_argument(
+        "--placement",
+        choices=("groups", "nemo_rl"),
+        help="with --accelerate: run B with install(accelerate=True, placement=PLACEMENT)",
+    )
     parser.add_argument("--files", nargs="+", help="test files, relative to the checkout")
     parser.add_argument("--file-timeout", type=int, default=1800, help="seconds per file")
     parser.add_argument("--test-timeout", type=int, default=300, help="seconds per test")
@@ -184,7 +195,10 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=1,
         help="rerun differences and incomplete files both ways (0: no)",
     )
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.placement and not args.accelerate:
+        parser.error("--placement needs --accelerate (it chooses mmpack's shard_by_batch_size)")
+    return args
 
 
 # --- environment --------------------------------------------------------------------------
@@ -324,6 +338,8 @@ def _run_pytest(
     env["PYTHONDONTWRITEBYTECODE"] = "1"
     if plugin and args.accelerate:
         env["MMPACK_NEMO_RL_ACCELERATE"] = "1"
+        if args.placement:
+            env["MMPACK_NEMO_RL_PLACEMENT"] = args.placement
     env.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     env.setdefault("HF_HUB_OFFLINE", "1")
     # NeMo-RL's init_ray attaches to whatever Ray cluster it finds on the machine

@@ -23,7 +23,7 @@ from numpy.typing import NDArray
 
 from mmpack import _native
 from mmpack._coerce import lengths_array, packing_int
-from mmpack.errors import InvalidLengthError, PackingArgumentError
+from mmpack.errors import InvalidLengthError, PackingArgumentError, PackingDtypeError
 from mmpack.packing.result import Packing
 
 __all__ = ["PlacementCost", "RankPlacement", "RowSegments", "place", "placement_of"]
@@ -90,7 +90,7 @@ class RankPlacement:
     item_groups: IntArray
     #: Groups whose items are on more than one rank.
     split_groups: int
-    #: No placement's worst rank costs less (NaN for ``placement_of``).
+    #: No placement's worst rank costs less.
     lower_bound: float
     #: ``"groups"``, ``"split"``, ``"baseline"`` (the baseline was strictly better) or
     #: ``"given"`` (``placement_of``).
@@ -154,6 +154,10 @@ def place(
     """
     ranks = packing_int(num_ranks, "num_ranks", 1)
     tol = _tolerance(tolerance)
+    if not isinstance(balance_counts, (bool, np.bool_)):
+        raise PackingArgumentError(
+            f"invalid packing argument balance_counts: must be a bool, got {balance_counts!r}"
+        )
     inputs = _Inputs.build(
         lengths, segments, segment_offsets, patches, bins, cost or PlacementCost()
     )
@@ -234,7 +238,9 @@ class _Inputs:
         _non_negative(rows, "lengths", "row")
         n = len(rows)
         if segments is None:
-            if segment_offsets is not None or (patches is not None and len(patches)):
+            if segment_offsets is not None or (
+                patches is not None and len(lengths_array(patches, "patches"))
+            ):
                 raise PackingArgumentError(
                     "invalid packing argument segments: patches or segment_offsets given "
                     "without segments"
@@ -258,11 +264,24 @@ class _Inputs:
                     f"invalid packing argument segments: entry {i} ({int(ids[i])}) names no "
                     f"segment of the {len(patch_counts)} with patches"
                 )
-        row_costs = cost.rows(rows)
+        with np.errstate(over="ignore", invalid="ignore"):
+            row_costs = cost.rows(rows)
+            segment_costs = cost.segments(patch_counts)
+        _finite(row_costs, "lengths", "row")
+        _finite(segment_costs, "patches", "segment")
         if bins is not None:
             row_costs, offsets, ids = _bin_items(bins, n, row_costs, offsets, ids)
-        # Where rows' costs overflow a float (lengths near 2**63), the core refuses them.
-        return cls(row_costs, offsets, ids, cost.segments(patch_counts))
+            _finite(row_costs, "bins", "bin")
+        return cls(row_costs, offsets, ids, segment_costs)
+
+
+def _finite(costs: FloatArray, name: str, what: str) -> None:
+    bad = np.flatnonzero(~np.isfinite(costs))
+    if len(bad):
+        raise PackingArgumentError(
+            f"invalid packing argument {name}: {what} {int(bad[0])} costs more than a float "
+            f"holds under this PlacementCost"
+        )
 
 
 def _non_negative(arr: IntArray, name: str, what: str) -> None:
@@ -274,9 +293,7 @@ def _non_negative(arr: IntArray, name: str, what: str) -> None:
         )
 
 
-def _row_segments(
-    segments: Any, segment_offsets: Any, n: int
-) -> tuple[IntArray, IntArray]:
+def _row_segments(segments: Any, segment_offsets: Any, n: int) -> tuple[IntArray, IntArray]:
     if segment_offsets is not None:
         offsets = lengths_array(segment_offsets, "segment_offsets")
         ids = lengths_array(segments, "segments")
@@ -292,16 +309,29 @@ def _row_segments(
                 f"{len(ids)})"
             )
         return offsets, ids
-    if len(segments) != n:
+    rows = _sequence(segments, "segments", "one sequence of segment ids per row")
+    if len(rows) != n:
         raise PackingArgumentError(
-            f"invalid packing argument segments: {len(segments)} rows of segments for {n} rows"
+            f"invalid packing argument segments: {len(rows)} rows of segments for {n} rows"
         )
-    counts = np.fromiter((len(s) for s in segments), dtype=np.int64, count=n)
+    per_row = [
+        _sequence(s, "segments", f"row {i}: a sequence of segment ids") for i, s in enumerate(rows)
+    ]
+    counts = np.fromiter((len(s) for s in per_row), dtype=np.int64, count=n)
     offsets = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(counts, out=offsets[1:])
-    flat = [i for s in segments for i in s]
+    flat = [i for s in per_row for i in s]
     ids = lengths_array(flat, "segments") if flat else np.zeros(0, dtype=np.int64)
     return offsets, ids
+
+
+def _sequence(value: Any, name: str, what: str) -> Sequence[Any]:
+    """``value`` as a sequence (a list, tuple or 1-D array), else ``PackingDtypeError``."""
+    if isinstance(value, np.ndarray) and value.ndim == 1:
+        return value.tolist()  # type: ignore[no-any-return]
+    if isinstance(value, (list, tuple)):
+        return value
+    raise PackingDtypeError(f"{name} must be {what}, got {type(value).__name__}")
 
 
 def _bin_items(
@@ -314,6 +344,11 @@ def _bin_items(
     """Bins as items: each bin's rows' summed cost, and its rows' segments one after another."""
     if isinstance(bins, Packing):
         bin_offsets, rows = bins.bin_offsets, bins.item_indices
+    elif not (isinstance(bins, tuple) and len(bins) == 2):
+        raise PackingArgumentError(
+            f"invalid packing argument bins: must be a Packing or a (bin_offsets, "
+            f"item_indices) pair, got {type(bins).__name__}"
+        )
     else:
         bin_offsets = lengths_array(bins[0], "bins offsets")
         rows = lengths_array(bins[1], "bins items")
