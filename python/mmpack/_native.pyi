@@ -500,6 +500,88 @@ def assign_to_ranks(
     Distributes bins over ranks.
     """
 
+@_typing.final
+class PlaceResult:
+    """
+    Items placed on ranks: the rank of every item, what each rank costs, the groups.
+    """
+    @property
+    def item_ranks(self) -> _I64Array:
+        """
+        The rank of every item (int64).
+        """
+    @property
+    def rank_costs(self) -> numpy.ndarray[Any, numpy.dtype[numpy.float64]]:
+        """
+        Items' cost plus unique segments' cost, per rank (float64).
+        """
+    @property
+    def rank_segments(self) -> _I64Array:
+        """
+        Unique segments per rank (int64).
+        """
+    @property
+    def rank_items(self) -> _I64Array:
+        """
+        Items per rank (int64).
+        """
+    @property
+    def item_groups(self) -> _I64Array:
+        """
+        The group of every item: items sharing a segment, numbered by first item (int64).
+        """
+    @property
+    def split_groups(self) -> int:
+        """
+        Groups whose items landed on more than one rank.
+        """
+    @property
+    def lower_bound(self) -> float:
+        """
+        The lower bound on the worst rank's cost.
+        """
+    @property
+    def kind(self) -> str:
+        """
+        Which candidate won: "groups", "split", "baseline", or "given" (`placement_costs`).
+        """
+
+def place(
+    item_costs: numpy.ndarray[Any, numpy.dtype[numpy.float64]],
+    item_seg_offsets: numpy.ndarray[Any, numpy.dtype[numpy.int64]],
+    item_segments: numpy.ndarray[Any, numpy.dtype[numpy.int64]],
+    segment_costs: numpy.ndarray[Any, numpy.dtype[numpy.float64]],
+    num_ranks: int,
+    *,
+    tolerance: float,
+    balance_counts: bool,
+    baseline: numpy.ndarray[Any, numpy.dtype[numpy.int64]] | None = None,
+) -> PlaceResult:
+    """
+    Places items on ranks by cost, keeping items that share segments together.
+    """
+
+def placement_costs(
+    item_costs: numpy.ndarray[Any, numpy.dtype[numpy.float64]],
+    item_seg_offsets: numpy.ndarray[Any, numpy.dtype[numpy.int64]],
+    item_segments: numpy.ndarray[Any, numpy.dtype[numpy.int64]],
+    segment_costs: numpy.ndarray[Any, numpy.dtype[numpy.float64]],
+    num_ranks: int,
+    item_ranks: numpy.ndarray[Any, numpy.dtype[numpy.int64]],
+) -> PlaceResult:
+    """
+    What a given placement costs each rank (same inputs as `place`).
+    """
+
+def segment_groups(
+    item_seg_offsets: numpy.ndarray[Any, numpy.dtype[numpy.int64]],
+    item_segments: numpy.ndarray[Any, numpy.dtype[numpy.int64]],
+    num_segments: int,
+) -> _I64Array:
+    """
+    The group of every item: connected components over shared segments.
+    """
+
 # --- mask / batch ---
 _BoolArray: _typing.TypeAlias = numpy.ndarray[Any, numpy.dtype[numpy.bool_]]
 _I32Array: _typing.TypeAlias = numpy.ndarray[Any, numpy.dtype[numpy.int32]]

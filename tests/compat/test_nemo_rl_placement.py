@@ -9,6 +9,7 @@ functions are the oracle of ``tests/nemo_rl_fidelity/placement_losses.py``, run 
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import mmpack
@@ -125,7 +126,7 @@ def check_shards(
                 assert all(c * batch_size <= r < (c + 1) * batch_size for r in chunk_rows)
                 spans = shard.micro_batch_indices[c]
                 assert spans[0][0] == 0 and spans[-1][1] == counts[c]
-                assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(spans, spans[1:]))
+                assert all(a[1] == b[0] and a[0] < a[1] for a, b in itertools.pairwise(spans))
                 padded = [
                     -(-int(batch["input_lengths"][r]) // multiple) * multiple for r in chunk_rows
                 ]
@@ -141,7 +142,8 @@ def check_shards(
             per = batch_size // len(shards)
             assert len(rows) == per * chunks
             for c in range(chunks):
-                assert all(c * batch_size <= r < (c + 1) * batch_size for r in rows[c * per :][:per])
+                own = rows[c * per : (c + 1) * per]
+                assert all(c * batch_size <= r < (c + 1) * batch_size for r in own)
                 lengths = shard["input_lengths"][c * per : (c + 1) * per].tolist()
                 assert lengths == sorted(lengths)
     assert sorted(seen) == list(range(total))
@@ -225,9 +227,7 @@ def test_dynamic_batching_moves_rows_only_between_ranks_of_their_global_batch(
         # NeMo-RL's micro-batches: per position, the longest row over the shards
         per = batch_size // shards
         for c in range(chunks):
-            longest = [
-                max(int(s["input_lengths"][c * per + r]) for s in out) for r in range(per)
-            ]
+            longest = [max(int(s["input_lengths"][c * per + r]) for s in out) for r in range(per)]
             longest = [min(-(-x // round_to) * round_to, width) for x in longest]
             spans = out[0].micro_batch_indices[c]
             for a, b in spans:
@@ -250,9 +250,7 @@ def test_a_prompts_rows_share_one_rank(mode: str) -> None:
         for placement in ("groups", "nemo_rl"):
             compat.install(accelerate=True, placement=placement)
             out, _ = batch.shard_by_batch_size(4, batch_size=128, **kwargs)
-            unique[placement] = [
-                len(set(s["pixel_values"]._segment_provenance)) for s in out
-            ]
+            unique[placement] = [len(set(s["pixel_values"]._segment_provenance)) for s in out]
             compat.uninstall()
         prompts_per_rank = [16 / 4 * 1.5] * 4  # 1-2 images per prompt
         assert sum(unique["groups"]) == len(set(batch["pixel_values"]._segment_provenance))
@@ -270,7 +268,7 @@ def test_batches_without_shared_media_are_sharded_as_nemo_rl_shards_them() -> No
         compat.install(accelerate=True)
         ours = batch.shard_by_batch_size(4, batch_size=8, sequence_packing_args=args)
         assert ours[1] == theirs[1]
-        for a, b in zip(ours[0], theirs[0]):
+        for a, b in zip(ours[0], theirs[0], strict=True):
             assert a["row"].tolist() == b["row"].tolist()
             assert a.micro_batch_lengths == b.micro_batch_lengths
 
@@ -334,7 +332,7 @@ def test_a_train_steps_gradients_do_not_depend_on_the_placement(mode: str) -> No
             grads[placement] = step_gradients(tiny_model(0), out, 16, 4, mode == "packing")
             compat.uninstall()
         assert rows["nemo_rl"] != rows["groups"]  # the placements differ
-        for a, b in zip(grads["nemo_rl"], grads["groups"]):
+        for a, b in zip(grads["nemo_rl"], grads["groups"], strict=True):
             assert torch.allclose(a, b, rtol=0, atol=1e-12)
 
 

@@ -141,8 +141,9 @@ def place(
 
     ``segments`` lists each row's media segment ids (ids index ``patches``, the patch count of
     every segment; a row may list an id more than once): one sequence per row, or a flat array
-    with CSR ``segment_offsets`` (``len(lengths) + 1`` entries), the fast form. With ``bins`` (a :class:`Packing` of
-    the rows, or its CSR ``(bin_offsets, item_indices)``) the items placed are the bins, each
+    with CSR ``segment_offsets`` (``len(lengths) + 1`` entries), the fast form. With ``bins``
+    (a :class:`Packing` of the rows, or its CSR ``(bin_offsets, item_indices)``) the items
+    placed are the bins, each
     whole: a bin costs its rows' LLM cost, and its segments are its rows' segments.
     ``balance_counts`` keeps the item counts of the ranks within one of each other (equal when
     the ranks divide the items), as NeMo-RL's sharding needs. ``baseline`` (a rank per item) is
@@ -328,7 +329,7 @@ def _row_segments(segments: Any, segment_offsets: Any, n: int) -> tuple[IntArray
 def _sequence(value: Any, name: str, what: str) -> Sequence[Any]:
     """``value`` as a sequence (a list, tuple or 1-D array), else ``PackingDtypeError``."""
     if isinstance(value, np.ndarray) and value.ndim == 1:
-        return value.tolist()  # type: ignore[no-any-return]
+        return list(value.tolist())
     if isinstance(value, (list, tuple)):
         return value
     raise PackingDtypeError(f"{name} must be {what}, got {type(value).__name__}")

@@ -339,11 +339,7 @@ def _shard_dynamic(
         chunk = lengths_list[start : start + batch_size]
         ranked = sorted(range(batch_size), key=chunk.__getitem__)
         nemo_order = [i for s in range(shards) for i in ranked[s::shards]]
-        if (
-            media is not None
-            and min(chunk) >= 0
-            and media.shared_within(start, start + batch_size)
-        ):
+        if media is not None and min(chunk) >= 0 and media.shared_within(start, start + batch_size):
             nemo_order = placement.dynamic_order(media, start, chunk, shards, nemo_order)
         order.extend(i + start for i in nemo_order)
 

@@ -81,14 +81,14 @@ class RowMedia:
     patches: IntArray
 
     @classmethod
-    def of(cls, data: Mapping[str, Any], packed_cls: type, num_rows: int) -> RowMedia | None:
+    def of(cls, data: Mapping[str, Any], packed_cls: Any, num_rows: int) -> RowMedia | None:
         """The batch's row media, or ``None`` when no segment is shared by two rows."""
         rows_parts: list[IntArray] = []
         keys_parts: list[np.ndarray] = []
         numel_parts: list[IntArray] = []
         minted = 0
         for key in sorted(data):
-            value = data[key]
+            value: Any = data[key]
             if not isinstance(value, packed_cls):
                 continue
             offsets, indices = value.csr()
@@ -160,7 +160,7 @@ def packing_shards(
         bins_multiple_of=shards,
     )
     baseline = np.arange(bins.num_bins, dtype=np.int64) % shards  # NeMo-RL's round robin
-    s = _SETTINGS
+    chosen = _SETTINGS
     placed = place(
         lengths,
         shards,
@@ -168,8 +168,8 @@ def packing_shards(
         segment_offsets=offsets,
         patches=media.patches,
         bins=bins,
-        cost=s.cost,
-        tolerance=s.tolerance,
+        cost=chosen.cost,
+        tolerance=chosen.tolerance,
         baseline=baseline,
     )
     all_bins = bins.bins()
@@ -187,15 +187,15 @@ def dynamic_order(
     baseline = np.empty(n, dtype=np.int64)
     for s in range(shards):
         baseline[nemo_order[s * size : (s + 1) * size]] = s
-    s = _SETTINGS
+    chosen = _SETTINGS
     placed = place(
         np.asarray([int(x) for x in lengths], dtype=np.int64),
         shards,
         segments=ids,
         segment_offsets=offsets,
         patches=media.patches,
-        cost=s.cost,
-        tolerance=s.tolerance,
+        cost=chosen.cost,
+        tolerance=chosen.tolerance,
         baseline=baseline,
     )
     order: list[int] = []
