@@ -27,9 +27,9 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
-from mmpack.errors import PackingArgumentError
+from mmpack.errors import BinCountError, PackingArgumentError
 from mmpack.packing.group_packing import pack_groups
-from mmpack.packing.placement import PlacementCost, place
+from mmpack.packing.placement import PlacementCost, place, placement_of
 
 __all__ = ["PLACEMENTS", "PlacementSettings", "RowMedia", "settings"]
 
@@ -147,12 +147,19 @@ def packing_shards(
     shards: int,
     args: Mapping[str, Any],
 ) -> list[list[list[int]]]:
-    """Per shard, its bins (chunk-relative rows) for one global batch of sequence packing."""
+    """Per shard, its bins (chunk-relative rows) for one global batch of sequence packing.
+
+    Two candidates, the better by the placement objective (fewer encodes within the
+    tolerance): rows placed first and each rank's rows packed on their own (groups never
+    cross ranks), taken only where every rank then needs the same number of micro-batches as
+    NeMo-RL's; and NeMo-RL's bin count packed with ``pack_groups`` and the bins placed."""
     offsets, ids = media.chunk(start, start + len(padded))
     lengths = np.asarray(padded, dtype=np.int64)
+    capacity = args["max_tokens_per_microbatch"]
+    chosen = _SETTINGS
     bins = pack_groups(
         lengths,
-        args["max_tokens_per_microbatch"],
+        capacity,
         segments=ids,
         segment_offsets=offsets,
         algorithm=args["algorithm"],
@@ -160,7 +167,6 @@ def packing_shards(
         bins_multiple_of=shards,
     )
     baseline = np.arange(bins.num_bins, dtype=np.int64) % shards  # NeMo-RL's round robin
-    chosen = _SETTINGS
     placed = place(
         lengths,
         shards,
@@ -173,7 +179,95 @@ def packing_shards(
         baseline=baseline,
     )
     all_bins = bins.bins()
-    return [[all_bins[b] for b in rank] for rank in placed.ranks()]
+    by_bins = [[all_bins[b] for b in rank] for rank in placed.ranks()]
+    by_rows = _rows_first(lengths, offsets, ids, media.patches, shards, args, bins.num_bins)
+    if by_rows is None:
+        return by_bins
+    row_ranks = {
+        name: _rank_of_rows([[r for b in rank for r in b] for rank in candidate], len(padded))
+        for name, candidate in (("bins", by_bins), ("rows", by_rows))
+    }
+    costs = {
+        name: placement_of(
+            ranks,
+            lengths,
+            shards,
+            segments=ids,
+            segment_offsets=offsets,
+            patches=media.patches,
+            cost=chosen.cost,
+        )
+        for name, ranks in row_ranks.items()
+    }
+    within = costs["bins"].lower_bound * (1 + chosen.tolerance)
+    rows, bins_cost = costs["rows"], costs["bins"]
+    if (
+        rows.worst <= within and (bins_cost.worst > within or rows.encodes <= bins_cost.encodes)
+    ) or (rows.worst > within and bins_cost.worst > within and rows.worst < bins_cost.worst):
+        return by_rows
+    return by_bins
+
+
+def _rows_first(
+    lengths: IntArray,
+    offsets: IntArray,
+    ids: IntArray,
+    patches: IntArray,
+    shards: int,
+    args: Mapping[str, Any],
+    num_bins: int,
+) -> list[list[list[int]]] | None:
+    """Rows placed on ranks by cost (counts free), then each rank's rows packed into
+    ``num_bins / shards`` bins; ``None`` where a rank cannot make exactly that many."""
+    chosen = _SETTINGS
+    placed = place(
+        lengths,
+        shards,
+        segments=ids,
+        segment_offsets=offsets,
+        patches=patches,
+        cost=chosen.cost,
+        tolerance=chosen.tolerance,
+        balance_counts=False,
+    )
+    per_rank = num_bins // shards
+    out = []
+    for rows in placed.ranks():
+        if len(rows) < per_rank:
+            return None
+        rank_rows = np.asarray(rows, dtype=np.int64)
+        sub_offsets, sub_ids = _rows_csr(offsets, ids, rank_rows)
+        try:
+            packed = pack_groups(
+                lengths[rank_rows],
+                args["max_tokens_per_microbatch"],
+                segments=sub_ids,
+                segment_offsets=sub_offsets,
+                algorithm=args["algorithm"],
+                min_bins=per_rank,
+            )
+        except BinCountError:
+            return None
+        if packed.num_bins != per_rank:
+            return None
+        out.append([[rows[i] for i in b] for b in packed.bins()])
+    return out
+
+
+def _rows_csr(offsets: IntArray, ids: IntArray, rows: IntArray) -> tuple[IntArray, IntArray]:
+    """The CSR segments of ``rows`` (in that order)."""
+    counts = (offsets[1:] - offsets[:-1])[rows]
+    sub_offsets = np.zeros(len(rows) + 1, dtype=np.int64)
+    np.cumsum(counts, out=sub_offsets[1:])
+    take = np.repeat(offsets[:-1][rows] - sub_offsets[:-1], counts)
+    return sub_offsets, ids[np.arange(int(sub_offsets[-1]), dtype=np.int64) + take]
+
+
+def _rank_of_rows(shards: list[list[int]], n: int) -> IntArray:
+    ranks = np.empty(n, dtype=np.int64)
+    for r, rows in enumerate(shards):
+        ranks[rows] = r
+    return ranks
 
 
 def dynamic_order(
