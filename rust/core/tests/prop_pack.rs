@@ -1,6 +1,6 @@
 //! Property tests for `mmpack_core::packing`: every algorithm keeps the invariants (each
 //! item once or reported, budgets, item cap), first fit and best fit equal naive linear
-//! scans, the improvement never uses more bins than best fit.
+//! scans, the improvement (search, prefixes, repair) never uses more bins than best fit.
 use mmpack_core::packing::{
     pack, shuffle_permutation, Algorithm, OnOversize, PackOptions, Packing,
 };
@@ -129,6 +129,50 @@ proptest! {
         let mbs = pack(&lens, None, &PackOptions::new(cap, Algorithm::MinimumBinSlack))
             .map_err(|e| TestCaseError::fail(e.to_string()))?;
         prop_assert!(mbs.num_bins() <= bfd.num_bins());
+    }
+
+    #[test]
+    fn minimum_bin_slack_is_valid_and_never_worse_than_best_fit(
+        cap in 20i64..3000,
+        raw in prop::collection::vec((1i64..=100, 1i64..=100, 0u8..8), 0..700),
+        max_items in prop::option::of(2usize..7),
+        budget in prop::sample::select(vec![0usize, 4, 64, 256]),
+    ) {
+        // Skewed lengths (a product of uniforms, mostly under half the capacity) with some
+        // large items and a few near the capacity: the mix where the search leaves bins with
+        // slack at its `C / k` boundaries and the repair pass re-packs them.
+        let lens: Vec<i64> = raw
+            .iter()
+            .map(|&(a, b, kind)| match kind {
+                0 => (cap - a % 8).max(1),
+                1 | 2 => (cap * a / 100).max(1),
+                _ => (cap * a * b / 20_000).max(1),
+            })
+            .collect();
+        let mut opts = PackOptions::new(cap, Algorithm::MinimumBinSlack);
+        opts.max_items_per_bin = max_items;
+        opts.search_budget = budget;
+        let mbs = pack(&lens, None, &opts).map_err(|e| TestCaseError::fail(e.to_string()))?;
+        opts.algorithm = Algorithm::BestFitDecreasing;
+        let bfd = pack(&lens, None, &opts).map_err(|e| TestCaseError::fail(e.to_string()))?;
+        prop_assert!(mbs.num_bins() <= bfd.num_bins());
+        let total: i64 = lens.iter().sum();
+        prop_assert!(mbs.num_bins() as i64 >= (total + cap - 1) / cap);
+        prop_assert_eq!(mbs.total_length, total);
+        let mut seen = vec![0u32; lens.len()];
+        for (b, items) in bins_of(&mbs).iter().enumerate() {
+            prop_assert!(!items.is_empty());
+            let load: i64 = items.iter().map(|&i| lens[i as usize]).sum();
+            prop_assert_eq!(load, mbs.bin_loads[b]);
+            prop_assert!(load <= cap);
+            if let Some(k) = max_items {
+                prop_assert!(items.len() <= k);
+            }
+            for &i in items {
+                seen[i as usize] += 1;
+            }
+        }
+        prop_assert!(seen.iter().all(|&s| s == 1));
     }
 
     #[test]

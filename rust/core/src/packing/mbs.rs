@@ -5,16 +5,21 @@
 //! with room for one more item only takes the largest that fits (no branching).
 //!
 //! Cost: `O(n log n)` to group sizes, plus at most `budget` nodes per bin, each an
-//! `O(log_64 D)` bitset query and an `O(log D)` search (D distinct sizes):
-//! `O(n log n + bins * budget * log D)`. `pack` also tries the search's near-perfect prefix
-//! followed by best-fit decreasing on the rest ([`with_tail`]) and plain best-fit decreasing,
-//! and keeps the fewest bins, so the result is never worse than best fit.
+//! `O(log_64 D)` bitset query and a table lookup (an `O(log D)` search when the capacity is
+//! too large to index; D distinct sizes): `O(n log n + bins * budget * log D)`. `pack`
+//! also tries the search's near-perfect prefix followed by best-fit decreasing on the rest
+//! ([`with_tail`]) and plain best-fit decreasing, keeps the fewest bins, so the result is never
+//! worse than best fit, and then repairs it (`super::repair`: the bins left with slack are
+//! pooled and packed again while that saves bins).
 
 use super::bitset::Bitset;
-use super::{Bins, Problem};
+use super::{capacity_indexable, Bins, Problem};
 
 struct Search<'a> {
     sizes: &'a [i64],
+    /// `fits[r]`: how many distinct sizes are `<= r`, for `r` in `0..=capacity` when the
+    /// capacity is small enough to index (else empty: binary search).
+    fits: Vec<u32>,
     cnt: Vec<u32>,
     bits: Bitset,
     budget: usize,
@@ -26,7 +31,11 @@ struct Search<'a> {
 impl Search<'_> {
     /// Largest rank `<= max_rank` whose size fits `rem` and which has items left.
     fn candidate(&self, max_rank: usize, rem: i64) -> Option<usize> {
-        let fit = self.sizes.partition_point(|&s| s <= rem).checked_sub(1)?;
+        let count = match usize::try_from(rem).ok().and_then(|r| self.fits.get(r)) {
+            Some(&c) => c as usize,
+            None => self.sizes.partition_point(|&s| s <= rem),
+        };
+        let fit = count.checked_sub(1)?;
         self.bits.predecessor(fit.min(max_rank))
     }
 
@@ -114,8 +123,21 @@ pub(crate) fn minimum_bin_slack(p: &Problem<'_>, budget: usize) -> (Bins, Vec<i6
         }
     }
     let mut taken = vec![0usize; d];
+    let mut fits = Vec::new();
+    if capacity_indexable(p.capacity, n) {
+        let c = usize::try_from(p.capacity).unwrap_or(0);
+        fits = vec![0u32; c + 1];
+        let mut k = 0usize;
+        for (r, f) in fits.iter_mut().enumerate() {
+            while k < d && sizes[k] <= r as i64 {
+                k += 1;
+            }
+            *f = k as u32;
+        }
+    }
     let mut s = Search {
         sizes: &sizes,
+        fits,
         cnt,
         bits,
         budget: 0,
@@ -159,17 +181,20 @@ pub(crate) fn minimum_bin_slack(p: &Problem<'_>, budget: usize) -> (Bins, Vec<i6
     )
 }
 
-/// Keeps the minimum-bin-slack bins up to the first one left with more than `tolerance`
-/// slack and packs the items of the rest with `tail` (best-fit decreasing): the search is
-/// good at perfect bins and weak at the end, where best fit does better.
+/// The first bin left with more than `tolerance` slack, where [`with_tail`] cuts.
+pub(crate) fn tail_cut(slacks: &[i64], tolerance: i64) -> Option<usize> {
+    slacks.iter().position(|&s| s > tolerance)
+}
+
+/// Keeps the minimum-bin-slack bins before bin `k` and packs the items of the rest with
+/// `tail` (best-fit decreasing): the search is good at perfect bins and weak at the end,
+/// where best fit does better.
 pub(crate) fn with_tail(
     p: &Problem<'_>,
     mbs: &Bins,
-    slacks: &[i64],
-    tolerance: i64,
+    k: usize,
     tail: impl Fn(&Problem<'_>) -> Bins,
-) -> Option<Bins> {
-    let k = slacks.iter().position(|&s| s > tolerance)?;
+) -> Bins {
     let cut = mbs.offsets[k];
     let rest: Vec<u32> = mbs.items[cut..].to_vec();
     let lens: Vec<i64> = rest.iter().map(|&i| p.lens[i as usize]).collect();
@@ -191,9 +216,9 @@ pub(crate) fn with_tail(
         );
         offsets.push(items.len());
     }
-    Some(Bins {
+    Bins {
         offsets,
         items,
         loads: None,
-    })
+    }
 }

@@ -14,6 +14,7 @@ mod mffd;
 mod placement;
 mod pyrandom;
 mod ranks;
+mod repair;
 
 use crate::error::{CoreError, CoreResult};
 
@@ -529,21 +530,32 @@ fn run_algorithm(
 
 /// Minimum bin slack, never worse than best fit. Candidates: best fit, the full search, and
 /// the search's near-perfect prefix followed by best fit on the rest; the fewest bins wins
-/// (ties: earlier).
+/// (ties: earlier). The winner is then repaired: the items of its bins left with slack are
+/// packed again the same way while that saves bins.
 fn minimum_bin_slack(problem: &Problem<'_>, search_budget: usize) -> Bins {
+    let best = mbs_candidates(problem, search_budget);
+    repair::repair(problem, best, |sub| mbs_candidates(sub, search_budget))
+}
+
+/// The fewest-bins candidate of [`minimum_bin_slack`], before repair (ties: best fit, then
+/// the prefixes by tolerance, then the full search).
+fn mbs_candidates(problem: &Problem<'_>, search_budget: usize) -> Bins {
     let capacity = problem.capacity;
     let mut best = bestfit::best_fit_decreasing(problem);
     let (full, slacks) = mbs::minimum_bin_slack(problem, search_budget);
+    let mut last_cut = None;
     for tolerance in [0, capacity / 512, capacity / 128, capacity / 32] {
-        let cand = mbs::with_tail(
-            problem,
-            &full,
-            &slacks,
-            tolerance,
-            bestfit::best_fit_decreasing,
-        );
-        if let Some(c) = cand.filter(|c| c.num_bins() < best.num_bins()) {
-            best = c;
+        // A cut at bin 0 is plain best fit; equal cuts give equal candidates.
+        let Some(k) = mbs::tail_cut(&slacks, tolerance).filter(|&k| k > 0) else {
+            continue;
+        };
+        if last_cut == Some(k) {
+            continue;
+        }
+        last_cut = Some(k);
+        let cand = mbs::with_tail(problem, &full, k, bestfit::best_fit_decreasing);
+        if cand.num_bins() < best.num_bins() {
+            best = cand;
         }
     }
     if full.num_bins() < best.num_bins() {
