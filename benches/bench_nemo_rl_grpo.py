@@ -1,15 +1,34 @@
 """NeMo-RL's own multimodal GRPO data path, with NeMo-RL's classes and with mmpack installed.
 
-Runs NeMo-RL's real code (a checkout given with ``--nemo-rl``, never part of this repo) in two
-child processes on the same generated batch: one with NeMo-RL's classes as they are, one after
-``mmpack.compat.nemo_rl.install()`` (and a third with ``install(accelerate=True)``, mmpack's
-opt-in versions of ``BatchedDataDict``'s hot methods). Each child times the stages GRPO runs on
-the batch, then fingerprints every stage's output; the parent checks that the fingerprints are
-identical and prints the per-stage table, the totals, the PackedTensor share, the payload
-bytes per shard, the memory high-water mark by the end of each stage, the unique bytes of the
-batch (each image once, and the token tensors) with the path's memcpy floor (those bytes over
-this machine's memcpy bandwidth, measured in the same run), and the object-store bytes written,
-read and sent between nodes where a store meter is set (``STORE_METER``; "n/a" otherwise).
+Runs NeMo-RL's real code (a checkout given with ``--nemo-rl``, never part of this repo) in child
+processes on the same generated batch, one a mode: ``nemo_rl`` (NeMo-RL's classes as they are),
+``mmpack`` (after ``mmpack.compat.nemo_rl.install()``), ``mmpack_accelerated``
+(``install(accelerate=True, placement="nemo_rl")``: mmpack's opt-in versions of
+``BatchedDataDict``'s hot methods, NeMo-RL's placement of rows exactly) and ``mmpack_groups``
+(``install(accelerate=True)``: the same, with the default ``placement="groups"``, under which
+``shard_by_batch_size`` places the rows that share media on one rank). Each child times the
+stages GRPO runs on the batch, then fingerprints every stage's output; the parent checks that the
+fingerprints are identical and prints the per-stage table, the totals, the PackedTensor share,
+the payload bytes per shard, the unique images per shard, the memory high-water mark by the end
+of each stage, the unique bytes of the batch (each image once, and the token tensors) with the
+path's memcpy floor (those bytes over this machine's memcpy bandwidth, measured in the same
+run), and the object-store bytes written, read and sent between nodes where a store meter is set
+(``STORE_METER``; "n/a" otherwise).
+
+Under ``placement="groups"`` rows move between shards and micro-batches, so only the stages
+before the sharding can be identical to NeMo-RL's. For every mode the fingerprint pass also
+checks what any placement must keep (``RowChecks``): the returned indices name every row once;
+each shard row is the train row its index names, with its own data (a per-row fingerprint: its
+tokens up to its length, its scalars, its media by content, its list items) and in its own
+global batch; each shard's micro-batch metadata follows NeMo-RL's rules (packing: spans
+contiguous over the global batch's rows, lengths the sums of the padded lengths, within the
+cap; dynamic batching: one span list for all shards, lengths the rounded longest row at those
+positions on any shard, within the cap); a shard is the same value after the Ray hop; every
+micro-batch's ``as_tensors=True`` media is its own rows' media in row order; and
+``from_batches`` gives the train rows in the returned order. The multiset of per-row
+fingerprints of every global batch (after each sharding, over the micro-batches of each, after
+``from_batches``) must be the same in every mode, and sequence packing must give each shard
+NeMo-RL's number of micro-batches per global batch.
 
 The batch is shaped like a multimodal GRPO batch: ``B`` prompts, each a message log whose user
 message holds token ids and Qwen2-VL-like ``pixel_values`` (patches x 1176, float32) and
@@ -54,7 +73,17 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-MODES = ("nemo_rl", "mmpack", "mmpack_accelerated")
+MODES = ("nemo_rl", "mmpack", "mmpack_accelerated", "mmpack_groups")
+#: ``install`` arguments per mode (``nemo_rl`` installs nothing).
+INSTALL_ARGS: dict[str, dict[str, Any]] = {
+    "mmpack": {},
+    "mmpack_accelerated": {"accelerate": True, "placement": "nemo_rl"},
+    "mmpack_groups": {"accelerate": True},  # placement="groups", the default
+}
+#: Modes that place rows as NeMo-RL does: every stage's output is identical to NeMo-RL's.
+KEEPS_PLACEMENT = ("nemo_rl", "mmpack", "mmpack_accelerated")
+#: Stages that are identical whatever the placement (they come before the sharding).
+BEFORE_SHARDING = ("repeat_interleave", "flatten_and_cast")
 STAGES = (
     "repeat_interleave",
     "flatten_and_cast",
@@ -301,6 +330,7 @@ def run_path(
     train = timer.run("flatten_and_cast", flatten_and_cast)
     gbs = min(GLOBAL_BATCH, train.size)
     note("flatten_and_cast", train)
+    checks = RowChecks(prints, train, gbs) if prints is not None else None
     packing_args = {
         "max_tokens_per_microbatch": MAX_TOKENS_PER_MICROBATCH,
         "input_key": "input_ids",
@@ -321,6 +351,8 @@ def run_path(
         ),
     )
     note("shard_packing", (packed_shards, packed_order, [_micro_state(s) for s in packed_shards]))
+    if checks is not None:
+        checks.sharding("shard_packing", packed_shards, packed_order, True, packing_args)
     dynamic_shards, dynamic_order = timer.run(
         "shard_dynamic",
         lambda: train.shard_by_batch_size(
@@ -330,11 +362,14 @@ def run_path(
     note(
         "shard_dynamic", (dynamic_shards, dynamic_order, [_micro_state(s) for s in dynamic_shards])
     )
+    if checks is not None:
+        checks.sharding("shard_dynamic", dynamic_shards, dynamic_order, False, dynamic_args)
 
     payload_bytes: list[int] = []
     worker_prints: list[str] = []
     materialized = 0  # bytes of the micro-batches' as_tensors=True outputs (fingerprint pass)
     for shards, packing in ((packed_shards, True), (dynamic_shards, False)):
+        name = "worker_packing" if packing else "worker_dynamic"
         for shard in shards:
             if packed_hop:
                 media = {k: v for k, v in shard.items() if type(v).__name__ == "PackedTensor"}
@@ -342,25 +377,31 @@ def run_path(
             sent = timer.run("pickle", lambda s=shard: RAY.put(s))
             received = timer.run("unpickle", lambda r=sent: RAY.get(r))
             del sent
-            if prints is not None:
+            if prints is not None and checks is not None:
                 payload_bytes.append(RAY.payload_bytes(shard))
                 worker_prints.append(prints.of((received, _micro_state(received))))
+                checks.received(name, shard, received)
             timer.run(
                 "worker_microbatches", lambda s=received, p=packing: _drain(microbatches(s, p, gbs))
             )
-            if prints is not None:
+            if prints is not None and checks is not None:
                 # Fingerprinting the materialized tensors is not timed: a second walk.
-                for mb in microbatches(received, packing, gbs):
+                for gb, mb in _microbatches_by_gb(received, packing, gbs):
                     tensors = mb.get_multimodal_dict(as_tensors=True)
                     worker_prints.append(prints.of(tensors))
+                    checks.microbatch(name, gb, mb, tensors)
                     materialized += sum(
                         v.nbytes for v in tensors.values() if isinstance(v, torch.Tensor)
                     )
             del received
+        if checks is not None:
+            checks.microbatches_done(name)
     if prints is not None:
         digests["worker"] = hashlib.blake2b("".join(worker_prints).encode()).hexdigest()
     back = timer.run("from_batches", lambda: BatchedDataDict.from_batches(packed_shards))
     note("from_batches", back)
+    if checks is not None:
+        checks.from_batches(back, packed_order)
     return {
         "seconds": dict(timer.seconds),
         "peak_rss_by_stage": timer.peak_rss,
@@ -369,7 +410,30 @@ def run_path(
         "store": RAY.store_counters(),
         "unique_bytes": {**unique_bytes(batch, train), "materialized": materialized},
         "rows": len(repeated["message_log"]),
+        "row_checks": None
+        if checks is None
+        else {
+            "failed": checks.failed,
+            "digests": checks.digests,
+            "media": checks.media,
+            "micro_counts": checks.micro_counts,
+        },
     }
+
+
+def _microbatches_by_gb(shard: Any, packing: bool, global_batch: int) -> Iterator[Any]:
+    """``microbatches``, each with the index of its global batch."""
+    per_rank = global_batch // SHARDS
+    count = len(shard.elem_counts_per_gb) if packing else shard.size // per_rank
+    for gb in range(count):
+        if packing:
+            mbs = shard.get_batch(batch_idx=gb).make_microbatch_iterator_for_packable_sequences()
+        else:
+            mbs = shard.get_batch(
+                batch_idx=gb, batch_size=per_rank
+            ).make_microbatch_iterator_with_dynamic_shapes()
+        for mb in mbs:
+            yield gb, mb
 
 
 def _drain(it: Iterator[Any]) -> None:
@@ -552,6 +616,218 @@ class Fingerprint:
         return "P" + h.hexdigest()
 
 
+def _row_segments(p: Any) -> list[list[Any]]:
+    """A PackedTensor's segments (``None`` kept) per logical row."""
+    tensors = p.tensors
+    offsets = p._row_offsets
+    indices = p._segment_indices
+    if offsets is None:
+        return [[t] for t in tensors]
+    return [[tensors[i] for i in indices[offsets[r] : offsets[r + 1]]] for r in range(len(p))]
+
+
+class RowChecks:
+    """What every placement must keep, checked row by row (the fingerprint pass; see the module
+    docstring): ``failed`` lists what did not hold; ``digests`` the per-global-batch multisets of
+    per-row fingerprints, which must agree across modes; ``media`` the unique images (segments
+    of ``pixel_values``, by content) and their bytes per shard; ``micro_counts`` each shard's
+    micro-batches per global batch."""
+
+    def __init__(self, prints: Fingerprint, train: Any, gbs: int) -> None:
+        self.prints = prints
+        self.gbs = gbs
+        self.failed: list[str] = []
+        self.digests: dict[str, str] = {}
+        self.media: dict[str, list[list[int]]] = {}
+        self.micro_counts: dict[str, list[list[int]]] = {}
+        self._by_gb: dict[str, dict[int, list[str]]] = collections.defaultdict(
+            lambda: collections.defaultdict(list)
+        )
+        self.train_rows = self.rows(train)
+
+    def expect(self, ok: bool, what: str) -> None:
+        if not ok:
+            self.failed.append(what)
+
+    def rows(self, batch: Any) -> list[str]:
+        """One fingerprint a row: each key's part of the row (a token-level tensor up to the
+        row's length, so a micro-batch's truncation to a width that holds it changes
+        nothing; a PackedTensor's segments by content; a list's item)."""
+        import torch
+
+        lengths = batch["input_lengths"].tolist()
+        n = len(lengths)
+        hashes = [hashlib.blake2b(digest_size=16) for _ in range(n)]
+        for key in sorted(batch):
+            value = batch[key]
+            if isinstance(value, torch.Tensor):
+                t = value.detach().cpu().contiguous()
+                head = f"{key}{t.dtype}{tuple(t.shape[2:])}".encode()
+                raw = t.reshape(n, -1).view(torch.uint8).numpy()
+                per_position = raw.shape[1] // t.shape[1] if t.ndim >= 2 and t.shape[1] else 0
+                for r, h in enumerate(hashes):
+                    h.update(head)
+                    h.update(raw[r, : lengths[r] * per_position] if t.ndim >= 2 else raw[r])
+            elif type(value).__name__ == "PackedTensor":
+                head = f"{key}{value.dim_to_pack}{value.pad_to_max_shape}"
+                for h, segments in zip(hashes, _row_segments(value), strict=True):
+                    h.update(head.encode())
+                    for seg in segments:
+                        h.update(b"-" if seg is None else self.prints._tensor(seg, True).encode())
+            else:
+                for r, h in enumerate(hashes):
+                    h.update(f"{key}{value[r]!r}".encode())
+        return [h.hexdigest() for h in hashes]
+
+    def _multiset(self, name: str) -> None:
+        by_gb = self._by_gb.pop(name)
+        h = hashlib.blake2b(digest_size=16)
+        for gb in sorted(by_gb):
+            h.update(f"gb{gb}:{','.join(sorted(by_gb[gb]))};".encode())
+        self.digests[name] = h.hexdigest()
+
+    def sharding(
+        self, name: str, shards: list[Any], order: list[int], packing: bool, args: dict[str, Any]
+    ) -> None:
+        """The shards and returned indices of one ``shard_by_batch_size``."""
+        total = len(self.train_rows)
+        self.expect(sorted(order) == list(range(total)), f"{name}: indices name every row once")
+        per_rank = self.gbs // len(shards)
+        offset = 0  # packing: shard s's rows are order[offset : offset + its size]
+        media, counts = [], []
+        for s, shard in enumerate(shards):
+            rows = self.rows(shard)
+            if packing:
+                gb_of = [gb for gb, n in enumerate(shard.elem_counts_per_gb) for _ in range(n)]
+                positions = range(offset, offset + len(rows))
+                offset += len(rows)
+            else:
+                gb_of = [j // per_rank for j in range(len(rows))]
+                positions = [
+                    gb * self.gbs + s * per_rank + j % per_rank for j, gb in enumerate(gb_of)
+                ]
+            self.expect(len(gb_of) == len(rows), f"{name}: shard {s}'s rows per global batch")
+            for j, (fp, gb, pos) in enumerate(zip(rows, gb_of, positions, strict=False)):
+                self._by_gb[name][gb].append(fp)
+                if pos >= len(order) or fp != self.train_rows[order[pos]]:
+                    self.failed.append(f"{name}: shard {s} row {j} is the row its index names")
+                    break
+                if order[pos] // self.gbs != gb:
+                    self.failed.append(f"{name}: shard {s} row {j} in its own global batch")
+                    break
+            self._metadata(name, s, shard, packing, args, shards)
+            counts.append([len(spans) for spans in shard.micro_batch_indices])
+            unique = {}
+            for segments in _row_segments(shard["pixel_values"]):
+                for seg in segments:
+                    if seg is not None:
+                        unique[self.prints._tensor(seg, True)] = seg.nbytes
+            media.append([len(unique), sum(unique.values())])
+        self._multiset(name)
+        self.media[name] = media
+        self.micro_counts[name] = counts
+
+    def _metadata(
+        self,
+        name: str,
+        s: int,
+        shard: Any,
+        packing: bool,
+        args: dict[str, Any],
+        shards: list[Any],
+    ) -> None:
+        """NeMo-RL's rules for the micro-batch metadata of shard ``s``."""
+        cap = args["max_tokens_per_microbatch"]
+        lengths = shard["input_lengths"].tolist()
+        spans_by_gb, lengths_by_gb = shard.micro_batch_indices, shard.micro_batch_lengths
+        what = f"{name}: shard {s}'s micro-batch metadata"
+        if packing:
+            pad = args["sequence_length_pad_multiple"]
+            counts = shard.elem_counts_per_gb
+            ok = len(spans_by_gb) == len(lengths_by_gb) == len(counts)
+            ok = ok and sum(counts) == len(lengths)
+            first = 0
+            for spans, spans_lengths, n in zip(spans_by_gb, lengths_by_gb, counts, strict=False):
+                ok = ok and len(spans) == len(spans_lengths) and spans[-1][1] == n
+                end = 0
+                for (lo, hi), total in zip(spans, spans_lengths, strict=False):
+                    padded = sum(-(-x // pad) * pad for x in lengths[first + lo : first + hi])
+                    ok = ok and lo == end and hi > lo and total == padded and total <= cap
+                    end = hi
+                first += n
+        else:
+            round_to = args["sequence_length_round"]
+            width = shard["input_ids"].shape[1]
+            per_rank = self.gbs // len(shards)
+            every = [other["input_lengths"].tolist() for other in shards]
+            ok = all(
+                other.micro_batch_indices == spans_by_gb
+                and other.micro_batch_lengths == lengths_by_gb
+                for other in shards
+            )
+            ok = ok and len(spans_by_gb) == len(lengths) // per_rank
+            for gb, (spans, spans_lengths) in enumerate(
+                zip(spans_by_gb, lengths_by_gb, strict=False)
+            ):
+                end = 0
+                for (lo, hi), longest in zip(spans, spans_lengths, strict=False):
+                    need = max(
+                        min(-(-x[gb * per_rank + r] // round_to) * round_to, width)
+                        for x in every
+                        for r in range(lo, hi)
+                    )
+                    ok = ok and lo == end and hi > lo and longest == need
+                    ok = ok and (hi - lo) * longest <= cap
+                    end = hi
+                ok = ok and end == per_rank
+        self.expect(bool(ok), what)
+
+    def received(self, name: str, sent: Any, received: Any) -> None:
+        state = (_micro_state(sent), _micro_state(received))
+        self.expect(
+            self.prints.of((sent, state[0])) == self.prints.of((received, state[1])),
+            f"{name}: a shard is the same value after the Ray hop",
+        )
+
+    def microbatch(self, name: str, gb: int, mb: Any, tensors: dict[str, Any]) -> None:
+        """One micro-batch of global batch ``gb`` and its ``as_tensors=True`` media."""
+        import torch
+
+        self._by_gb[name][gb].extend(self.rows(mb))
+        for key, value in mb.items():
+            if type(value).__name__ != "PackedTensor":
+                continue
+            segments = [seg for row in _row_segments(value) for seg in row if seg is not None]
+            got = tensors.get(key)
+            if not segments or value.pad_to_max_shape or value.dim_to_pack != 0:
+                ok = got is None if not segments else True  # the bench's media pack on dim 0
+            else:
+                h = hashlib.blake2b(digest_size=16)  # the digest of their torch.cat on dim 0
+                for seg in segments:
+                    flat = seg.detach().cpu().contiguous().reshape(-1)
+                    h.update(memoryview(flat.view(torch.uint8).numpy()))
+                shape = (sum(seg.shape[0] for seg in segments), *segments[0].shape[1:])
+                ok = got is not None and self.prints._tensor(got) == (
+                    f"T{segments[0].dtype}{shape}{h.hexdigest()}"
+                )
+            self.expect(ok, f"{name}: micro-batch media of global batch {gb} ({key}) is its rows'")
+
+    def microbatches_done(self, name: str) -> None:
+        self._multiset(name)
+
+    def from_batches(self, back: Any, order: list[int]) -> None:
+        rows = self.rows(back)
+        self.expect(
+            rows == [self.train_rows[i] for i in order],
+            "from_batches: the train rows in the returned order",
+        )
+        self._by_gb["from_batches"] = {
+            gb: [fp for fp, i in zip(rows, order, strict=True) if i // self.gbs == gb]
+            for gb in range(len(rows) // self.gbs)
+        }
+        self._multiset("from_batches")
+
+
 # ------------------------------------------------------------------------------- PackedTensor share
 
 
@@ -617,10 +893,7 @@ def child(args: argparse.Namespace) -> None:
     if args.mode != "nemo_rl":
         import mmpack.compat.nemo_rl as mmpack_nemo_rl
 
-        if args.mode == "mmpack_accelerated":
-            mode = mmpack_nemo_rl.install(accelerate=True)
-        else:
-            mode = mmpack_nemo_rl.install()
+        mode = mmpack_nemo_rl.install(**INSTALL_ARGS[args.mode])
         assert mode == "patched", mode
         from mmpack.packed import ray_store
 
@@ -661,6 +934,7 @@ def child(args: argparse.Namespace) -> None:
         checked = one_pass(fingerprint=True)
         result["digests"], result["payload_bytes"] = checked["digests"], checked["payload_bytes"]
         result["store"] = checked["store"]
+        result["row_checks"] = checked["row_checks"]
         result["unique_bytes"]["materialized"] = checked["unique_bytes"]["materialized"]
     # every batch, shard and received value of the passes died with its pass
     result["store_in_use"] = {
@@ -759,15 +1033,21 @@ def parent(args: argparse.Namespace) -> int:
                 f"dynamic {pb[SHARDS:]} (total {sum(pb):,})"
             )
         if args.verify:
+            _print_media(results, modes)
+            failures += _check_rows(results, modes)
             for m in modes[1:]:
-                same = results[m]["digests"] == results[modes[0]]["digests"]
-                differing = [
+                base = results[modes[0]]["digests"]
+                keys = [
                     k
-                    for k in results[modes[0]]["digests"]
-                    if results[m]["digests"].get(k) != results[modes[0]]["digests"][k]
+                    for k in base
+                    if (m in KEEPS_PLACEMENT and modes[0] in KEEPS_PLACEMENT)
+                    or k.split("[")[0] in BEFORE_SHARDING
                 ]
+                differing = [k for k in keys if results[m]["digests"].get(k) != base[k]]
+                same = not differing
+                stages = sorted({k.split("[")[0] for k in keys}, key=list(base).index)
                 print(
-                    f"outputs identical, {m} vs {modes[0]}: {same}"
+                    f"outputs identical, {m} vs {modes[0]}: {same} ({', '.join(stages)})"
                     + (f" (differ: {differing})" if differing else "")
                 )
                 failures += not same
@@ -779,6 +1059,47 @@ def parent(args: argparse.Namespace) -> int:
         report.append({"prompts": prompts, "results": results})
     (Path(args.out) / "grpo-report.json").write_text(json.dumps(report, indent=1))
     return 1 if failures else 0
+
+
+def _print_media(results: dict[str, Any], modes: list[str]) -> None:
+    """The unique images (``pixel_values`` segments, by content) each shard carries and their
+    bytes: what a rank pulls, materializes and encodes at least."""
+    unique = results[modes[0]]["unique_bytes"]["media_bf16"]
+    for m in modes:
+        media = results[m]["row_checks"]["media"]
+        for stage in ("shard_packing", "shard_dynamic"):
+            segments = [n for n, _ in media[stage]]
+            mb = [b / 1e6 for _, b in media[stage]]
+            print(
+                f"unique images per shard, {m}, {stage.removeprefix('shard_')}: "
+                f"{segments} segments, MB {[round(x) for x in mb]} (max {max(mb):.0f} MB, "
+                f"sum {sum(mb) / 1e3:.3f} GB = {sum(mb) * 1e6 / max(unique, 1):.2f}x the "
+                "batch's unique images)"
+            )
+
+
+def _check_rows(results: dict[str, Any], modes: list[str]) -> int:
+    """Every mode's row checks, and the per-global-batch row multisets and (sequence packing)
+    micro-batch counts against the first mode's; returns the number of failures."""
+    failures = 0
+    base = results[modes[0]]["row_checks"]
+    for m in modes:
+        rc = results[m]["row_checks"]
+        failed = rc["failed"]
+        differing = [k for k in base["digests"] if rc["digests"].get(k) != base["digests"][k]]
+        counts_same = rc["micro_counts"]["shard_packing"] == base["micro_counts"]["shard_packing"]
+        totals = {k: sum(map(sum, v)) for k, v in rc["micro_counts"].items()}
+        print(
+            f"row checks, {m}: {'all hold' if not failed else f'FAILED {failed[:5]}'}; rows per "
+            f"global batch as {modes[0]}'s (after each sharding, over the micro-batches, after "
+            f"from_batches): {not differing}"
+            + (f" (differ: {differing})" if differing else "")
+            + f"; packing micro-batches per shard and global batch as {modes[0]}'s: "
+            f"{counts_same}; micro-batches packing {totals['shard_packing']}, dynamic "
+            f"{totals['shard_dynamic']}"
+        )
+        failures += bool(failed) + bool(differing) + (not counts_same)
+    return failures
 
 
 def _print_memory_and_floor(results: dict[str, Any], modes: list[str]) -> None:
