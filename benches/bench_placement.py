@@ -14,7 +14,10 @@ has long-tailed lengths and image sizes (lognormal). For both of NeMo-RL's modes
 * dynamic batching: NeMo-RL's rows sorted by length and dealt strided, against
   ``dynamic_order`` (``place`` over rows, each rank's rows by length).
 
-Figures per global batch, then averaged over the batch's global batches: worst / mean rank cost
+Figures per global batch, then averaged over the batch's global batches: the worst rank's
+compute against NeMo-RL's (its rows' tokens, linear and quadratic, plus its unique images'
+patches; under dynamic batching the tokens of the micro-batches every rank runs, padded to
+their longest rows), worst / mean rank cost
 (the placement objective: tokens, attention, each unique image's patches once per rank), the
 same for tokens alone beside a placement that ignores media (``place`` without segments: the
 balance goal is within 1.05 of it), unique images per rank (max) over the batch's unique images
@@ -36,12 +39,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from mmpack.compat.nemo_rl.micro_batches import dynamic_micro_batches
 from mmpack.compat.nemo_rl.placement import RowMedia, dynamic_order, packing_shards
 from mmpack.packing import PlacementCost, pack, place, placement_of
 
 RANKS = 8
 GLOBAL_BATCH = 512
 CAPACITY = 8192
+ROUND = 64  # dynamic batching's sequence_length_round in the GRPO bench
 PATCH_BYTES = 1176 * 2  # one patch of bf16 pixel values
 ALGORITHM = "modified_first_fit_decreasing"
 
@@ -112,10 +117,11 @@ def measure(batch: dict[str, Any], mode: str) -> dict[str, dict[str, float]]:
             shards["nemo_rl"] = [order[s * per : (s + 1) * per] for s in range(RANKS)]
         t1 = time.perf_counter()
         if mode == "packing":
-            placed = packing_shards(media, start, chunk, RANKS, args)
+            placed = packing_shards(media, start, chunk, RANKS, args, nemo_packing(chunk))
             shards["mmpack"] = [[r for b in bins for r in b] for bins in placed]
         else:
-            order = dynamic_order(media, start, chunk, RANKS, nemo_dynamic(chunk))
+            micro = (CAPACITY, ROUND, int(lengths.max()))
+            order = dynamic_order(media, start, chunk, RANKS, nemo_dynamic(chunk), micro)
             per = GLOBAL_BATCH // RANKS
             shards["mmpack"] = [order[s * per : (s + 1) * per] for s in range(RANKS)]
         t2 = time.perf_counter()
@@ -136,6 +142,29 @@ def measure(batch: dict[str, Any], mode: str) -> dict[str, dict[str, float]]:
                 cost=cost,
             )
             tokens = placement_of(ranks, chunk, RANKS, cost=cost)
+            compute = full.worst
+            if mode == "dynamic":
+                # every rank runs the same micro-batches, padded to their longest rows
+                spans, padded = dynamic_micro_batches(
+                    [[chunk[i] for i in rows] for rows in per_rank],
+                    CAPACITY,
+                    ROUND,
+                    int(lengths.max()),
+                )
+                padded_tokens = sum(
+                    cost.rows(np.array([p]))[0] * (b - a)
+                    for (a, b), p in zip(spans, padded, strict=True)
+                )
+                vision = placement_of(
+                    ranks,
+                    np.zeros(GLOBAL_BATCH, dtype=np.int64),
+                    RANKS,
+                    segments=ids,
+                    segment_offsets=offsets,
+                    patches=batch["patches"],
+                    cost=cost,
+                )
+                compute = padded_tokens + vision.worst
             row = stats[name]
             for key, value in (
                 ("imbalance", full.imbalance),
@@ -143,11 +172,17 @@ def measure(batch: dict[str, Any], mode: str) -> dict[str, dict[str, float]]:
                 ("unique_per_rank_ratio", full.rank_segments.max() / (unique / RANKS)),
                 ("encodes_ratio", full.encodes / unique),
                 ("seconds", times[name]),
+                ("compute", compute),
             ):
                 row.setdefault(key, []).append(float(value))
     out: dict[str, dict[str, float]] = {}
     for name, row in stats.items():
         out[name] = {k: (sum(v) if k == "seconds" else float(np.mean(v))) for k, v in row.items()}
+    for name in stats:
+        out[name]["compute_vs_nemo_rl"] = float(
+            np.mean(np.array(stats[name]["compute"]) / np.array(stats["nemo_rl"]["compute"]))
+        )
+    for name in stats:
         # what each rank receives over the whole batch: its shard's unique images
         worst = 0
         for r in range(RANKS):
@@ -162,15 +197,17 @@ def measure(batch: dict[str, Any], mode: str) -> dict[str, dict[str, float]]:
 
 def table(title: str, rows: list[tuple[str, dict[str, Any]]]) -> str:
     head = (
-        "| batch | placement | worst/mean cost | tokens vs media-blind | unique images per rank "
-        "(x fair share) | encodes (x unique) | max rank media MiB | placement s |"
+        "| batch | placement | worst rank compute (x NeMo-RL) | worst/mean cost | tokens vs "
+        "media-blind | unique images per rank (x fair share) | encodes (x unique) | max rank "
+        "media MiB | placement s |"
     )
-    lines = [f"### {title}", "", head, "|---|---|---:|---:|---:|---:|---:|---:|"]
+    lines = [f"### {title}", "", head, "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
     for label, result in rows:
         for name in ("nemo_rl", "mmpack"):
             r = result[name]
             lines.append(
-                f"| {label} | {name} | {r['imbalance']:.3f} | {r['token_imbalance_vs_blind']:.3f} "
+                f"| {label} | {name} | {r['compute_vs_nemo_rl']:.3f} | {r['imbalance']:.3f} "
+                f"| {r['token_imbalance_vs_blind']:.3f} "
                 f"| {r['unique_per_rank_ratio']:.2f} | {r['encodes_ratio']:.2f} "
                 f"| {r['max_rank_media_mib']:.1f} | {r['seconds']:.3f} |"
             )

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from mmpack.compat import nemo_rl as compat
 from mmpack.errors import PackingArgumentError
 from mmpack.packing import PlacementCost
+from reference import placement as ref
 from support.nemo_rl_reference import ReferenceBatchedDataDict
 from support.nemo_rl_standins import installed_standins
 
@@ -346,3 +347,109 @@ def test_bad_placement_arguments_are_refused_before_anything_changes() -> None:
         assert compat.installed() is None
         compat.install(accelerate=True, placement_cost=PlacementCost(patch=0.5))
         assert compat.accelerated()
+
+
+def rank_compute(batch: ReferenceBatchedDataDict, shards: list[Any], dynamic: bool) -> float:
+    """The worst rank's compute, priced independently (``tests/reference/placement.py``): its
+    rows' tokens, linear and quadratic (under dynamic batching, the micro-batches every rank
+    runs, padded to their lengths), plus the patches of its unique images, once a rank."""
+    cost = PlacementCost()
+    provenance = {}
+    segments_of_row = []
+    for key in ("pixel_values", "image_grid_thw"):
+        value = batch[key]
+        counts = value.logical_segment_counts_by_row()
+        ids = value._segment_provenance
+        offsets, indices = value.csr()
+        for row in range(len(value)):
+            if key == "pixel_values":
+                segments_of_row.append([])
+            for k in indices[offsets[row] : offsets[row + 1]].tolist():
+                numel = value.tensors[k].numel()
+                sid = provenance.setdefault(ids[k], len(provenance))
+                segments_of_row[row].append((sid, -(-numel // PATCH)))
+        assert len(counts) == len(value)
+    patches = {sid: p for row in segments_of_row for sid, p in row}
+    segment_costs = ref.segment_costs_of(
+        [patches[s] for s in range(len(patches))], cost.patch, cost.patch_attention
+    )
+    ranks = [0] * len(batch["row"])
+    for r, shard in enumerate(shards):
+        for row in shard["row"].tolist():
+            ranks[row] = r
+    item_segments = [[sid for sid, _ in row] for row in segments_of_row]
+    zero = [0.0] * len(ranks)
+    vision = ref.rank_costs(ranks, zero, item_segments, segment_costs, len(shards))[0]
+    if not dynamic:
+        tokens = ref.row_costs(batch["input_lengths"].tolist(), cost.token, cost.attention)
+        return max(ref.rank_costs(ranks, tokens, item_segments, segment_costs, len(shards))[0])
+    padded = 0.0
+    for spans, lengths in zip(
+        shards[0].micro_batch_indices, shards[0].micro_batch_lengths, strict=True
+    ):
+        for (a, b), length in zip(spans, lengths, strict=True):
+            padded += (b - a) * ref.row_costs([length], cost.token, cost.attention)[0]
+    return padded + max(vision)
+
+
+@settings(max_examples=20, deadline=None)
+@given(
+    mode=st.sampled_from(["packing", "dynamic"]),
+    shards=st.sampled_from([2, 4]),
+    group=st.sampled_from([2, 4, 8]),
+    width=st.integers(16, 96),
+    seed=st.integers(0, 2**16),
+)
+def test_the_worst_rank_never_computes_more_than_the_tolerance_over_nemo_rls(
+    mode: str, shards: int, group: int, width: int, seed: int
+) -> None:
+    """mmpack's placement is used only where its worst rank costs at most 5 % more than NeMo-RL's
+    (and it encodes fewer images); otherwise NeMo-RL's placement stays."""
+    with installed_standins():
+        batch = grpo_batch(4 * shards, group, width, seed, patches=(100, 600))
+        batch_size = 4 * shards * group
+        kwargs: dict[str, Any] = (
+            {"sequence_packing_args": packing_args(max(2 * width, 128))}
+            if mode == "packing"
+            else {"dynamic_batching_args": dynamic_args(max(2 * width, 128), 8)}
+        )
+        theirs, _ = ReferenceBatchedDataDict.shard_by_batch_size(
+            batch, shards, batch_size=batch_size, **kwargs
+        )
+        compat.install(accelerate=True)
+        ours, _ = batch.shard_by_batch_size(shards, batch_size=batch_size, **kwargs)
+        dynamic = mode == "dynamic"
+        assert rank_compute(batch, ours, dynamic) <= rank_compute(batch, theirs, dynamic) * (
+            1 + 0.05 + 1e-9
+        )
+
+
+def test_a_row_longer_than_a_micro_batch_gets_nemo_rls_error() -> None:
+    with installed_standins():
+        batch = grpo_batch(8, 4, 40, 5)
+        batch["input_lengths"][3] = 40
+        args = packing_args(32)
+        with pytest.raises(Exception) as theirs:
+            ReferenceBatchedDataDict.shard_by_batch_size(
+                batch, 4, batch_size=16, sequence_packing_args=args
+            )
+        compat.install(accelerate=True)
+        with pytest.raises(Exception) as ours:
+            batch.shard_by_batch_size(4, batch_size=16, sequence_packing_args=args)
+        assert (type(ours.value), str(ours.value)) == (type(theirs.value), str(theirs.value))
+
+
+def test_a_zero_length_row_nemo_rl_packs_is_packed_as_nemo_rl_packs_it() -> None:
+    """First-fit decreasing packs a row of length 0; mmpack's packer refuses one, so the
+    grouped path leaves such a global batch to NeMo-RL's placement."""
+    with installed_standins():
+        batch = grpo_batch(8, 4, 40, 6)
+        args = packing_args(96)
+        args["algorithm"] = "first_fit_decreasing"
+        batch["input_lengths"][2] = 0
+        theirs = ReferenceBatchedDataDict.shard_by_batch_size(
+            batch, 4, batch_size=32, sequence_packing_args=args
+        )
+        compat.install(accelerate=True)
+        ours = batch.shard_by_batch_size(4, batch_size=32, sequence_packing_args=args)
+        assert ours[1] == theirs[1]

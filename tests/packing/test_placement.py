@@ -926,3 +926,27 @@ def test_malformed_csr_gives_only_typed_errors(case: tuple, ranks: int) -> None:
     assert all(0 <= s < len(patches) for s in segments)
     assert all(n >= 0 for n in lengths) and all(x >= 0 for x in patches)
     check_structure(p, len(bins_rows(bins)) if bins is not None else len(lengths), ranks)
+
+
+def test_one_group_for_the_whole_batch_is_spread_like_single_rows() -> None:
+    """Every row sharing one image (one prompt larger than a rank, one image for the batch):
+    every rank encodes it whatever the placement, so the rows are balanced as single rows."""
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(100, 4000, 4096)
+    shared = place(lengths, 64, segments=[[0]] * 4096, patches=[50])
+    alone = place(lengths, 64)
+    priced = placement_of(alone.item_ranks, lengths, 64, segments=[[0]] * 4096, patches=[50])
+    assert shared.encodes == priced.encodes == 64
+    assert shared.worst <= priced.worst * (1 + 1e-9)
+
+
+def test_numpy_scalars_are_accepted_as_numbers() -> None:
+    cost = PlacementCost(token=np.float32(1.0), attention=np.float64(0.0), patch=np.int64(1))
+    p = place([3, 4], 2, tolerance=np.float32(0.1), cost=cost)
+    assert sorted(p.rank_costs.tolist()) == [3.0, 4.0]
+
+
+def test_rank_sums_beyond_a_float_are_a_typed_error() -> None:
+    """Each row's cost is finite, their sum on a rank is not."""
+    huge = PlacementCost(token=1e308, attention=0.0, patch=1e308)
+    _raises(errors.PackingArgumentError, "cost", place, [1] * 6, 2, cost=huge)

@@ -53,7 +53,9 @@ class PlacementCost:
     def __post_init__(self) -> None:
         for name in ("token", "attention", "patch", "patch_attention"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
+            if isinstance(value, (bool, np.bool_)) or not isinstance(
+                value, (int, float, np.integer, np.floating)
+            ):
                 raise PackingArgumentError(
                     f"invalid packing argument {name}: must be a number, got {value!r}"
                 )
@@ -203,7 +205,9 @@ def placement_of(
 
 
 def _tolerance(value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, (bool, np.bool_)) or not isinstance(
+        value, (int, float, np.integer, np.floating)
+    ):
         raise PackingArgumentError(
             f"invalid packing argument tolerance: must be a number, got {value!r}"
         )
@@ -379,6 +383,11 @@ def _bin_items(
 
 
 def _result(out: Any, inputs: _Inputs) -> RankPlacement:
+    if not np.all(np.isfinite(out.rank_costs)):
+        raise PackingArgumentError(
+            "invalid packing argument cost: a rank's summed cost is more than a float holds "
+            "under this PlacementCost"
+        )
     item_ranks = out.item_ranks
     order = np.argsort(item_ranks, kind="stable").astype(np.int64)
     counts = np.asarray(out.rank_items, dtype=np.int64)

@@ -34,6 +34,7 @@ import torch
 
 from mmpack.compat.nemo_rl import placement
 from mmpack.compat.nemo_rl.deepcopy import deepcopy
+from mmpack.compat.nemo_rl.micro_batches import dynamic_micro_batches
 from mmpack.packed.buffers import BUFFER_DTYPES
 
 __all__ = ["BATCHED_DATA_DICT_MODULE", "accelerated_methods"]
@@ -248,13 +249,17 @@ def _shard_packing(
         ]
         padded_by_chunk.append(padded)
         start = c * batch_size
-        if media is not None and media.shared_within(start, start + batch_size):
-            if not all(type(n) is int and n >= 0 for n in padded):
-                return None  # NeMo-RL's packer meets such lengths its own way
-            bins_by_chunk.append(placement.packing_shards(media, start, padded, shards, args))
-        else:
-            bins = packer.pack(sequence_lengths=padded)
-            bins_by_chunk.append([bins[s::shards] for s in range(shards)])
+        bins = packer.pack(sequence_lengths=padded)  # NeMo-RL's, and its errors
+        nemo_bins = [bins[s::shards] for s in range(shards)]
+        cap = args["max_tokens_per_microbatch"]
+        if (
+            media is not None
+            and type(cap) is int
+            and all(type(n) is int and 0 < n <= cap for n in padded)
+            and media.shared_within(start, start + batch_size)
+        ):
+            nemo_bins = placement.packing_shards(media, start, padded, shards, args, nemo_bins)
+        bins_by_chunk.append(nemo_bins)
 
     shard_bins: list[list[list[int]]] = [[] for _ in range(shards)]  # global rows per bin
     micro_indices: list[list[list[list[int]]]] = [[] for _ in range(shards)]
@@ -329,9 +334,15 @@ def _shard_dynamic(
         return None
     if any(torch.is_tensor(v) and v.device.type != "cpu" for v in self.data.values()):
         return None  # NeMo-RL's CPU index meets them in its own way
+    cap = args["max_tokens_per_microbatch"]
+    round_to = args["sequence_length_round"]
+    if not all(type(v) in (int, float) for v in (cap, round_to)):
+        return None  # NeMo-RL's arithmetic meets them with its own error
+    width = inputs.shape[1]
     lengths_list = lengths.tolist()
     media = None
-    if not lengths.is_floating_point() and lengths.dtype is not torch.bool:
+    integral = not lengths.is_floating_point() and lengths.dtype is not torch.bool
+    if integral and type(cap) is int and type(round_to) is int and round_to > 0:
         media = _row_media(self.data, module, total=chunks * batch_size)
     order: list[int] = []
     for c in range(chunks):
@@ -340,7 +351,9 @@ def _shard_dynamic(
         ranked = sorted(range(batch_size), key=chunk.__getitem__)
         nemo_order = [i for s in range(shards) for i in ranked[s::shards]]
         if media is not None and min(chunk) >= 0 and media.shared_within(start, start + batch_size):
-            nemo_order = placement.dynamic_order(media, start, chunk, shards, nemo_order)
+            nemo_order = placement.dynamic_order(
+                media, start, chunk, shards, nemo_order, (cap, round_to, width)
+            )
         order.extend(i + start for i in nemo_order)
 
     # NeMo-RL reorders every value by ``order`` and then copies each shard's ranges out of the
@@ -367,32 +380,15 @@ def _shard_dynamic(
             else:
                 shard[key] = [value[i] for i in rows]
 
-    cap = args["max_tokens_per_microbatch"]
-    round_to = args["sequence_length_round"]
-    if not all(type(v) in (int, float) for v in (cap, round_to)):
-        return None  # NeMo-RL's arithmetic meets them with its own error
-    width = inputs.shape[1]
     shard_lengths = [shard[lengths_key].tolist() for shard in out]
     micro_indices = []
     micro_lengths = []
     for c in range(chunks):
-        spans = [[0, 0]]
-        spans_lengths = [0]
-        longest_in_mb = 0
-        for r in range(shard_size):
-            # in NeMo-RL's order: 0, then each shard's length
-            longest = max([0, *(lengths[c * shard_size + r] for lengths in shard_lengths)])
-            longest = min((longest + round_to - 1) // round_to * round_to, width)
-            if not longest <= cap:  # NaN included
-                return None  # NeMo-RL refuses it with its own message
-            longest_in_mb = max(longest_in_mb, longest)
-            if (spans[-1][1] - spans[-1][0] + 1) * longest_in_mb <= cap:
-                spans[-1][-1] += 1
-                spans_lengths[-1] = longest_in_mb
-            else:
-                spans.append([r, r + 1])
-                longest_in_mb = longest
-                spans_lengths.append(longest_in_mb)
+        per_shard = [lengths[c * shard_size : (c + 1) * shard_size] for lengths in shard_lengths]
+        found = dynamic_micro_batches(per_shard, cap, round_to, width)
+        if found is None:
+            return None  # NeMo-RL refuses it with its own message
+        spans, spans_lengths = found
         micro_indices.append(spans)
         micro_lengths.append(spans_lengths)
     for shard in out:

@@ -10,6 +10,11 @@ the worst rank's cost is minimised with groups whole where balance allows. With 
 packing the bins come from ``mmpack.packing.pack_groups`` (same algorithm, same bin count as
 NeMo-RL's packer, a group's rows in as few bins as capacity allows).
 
+NeMo-RL's own placement is always a candidate: per global batch, each candidate is priced by
+what each rank really runs (under dynamic batching, the micro-batches every rank runs, padded to
+the longest row at each position over all ranks, plus the rank's unique media), and the one
+with the fewest encodes among those within the tolerance of the cheapest worst rank is used.
+
 What stays NeMo-RL's: every row stays in its global batch (the chunk of ``batch_size`` rows:
 its optimizer step); each rank gets the same number of rows (dynamic batching) or bins
 (sequence packing) per global batch; the micro-batch metadata is built by NeMo-RL's rules; the
@@ -27,6 +32,7 @@ from typing import Any
 import numpy as np
 from numpy.typing import NDArray
 
+from mmpack.compat.nemo_rl.micro_batches import dynamic_micro_batches
 from mmpack.errors import BinCountError, PackingArgumentError
 from mmpack.packing.group_packing import pack_groups
 from mmpack.packing.placement import PlacementCost, place, placement_of
@@ -146,27 +152,26 @@ def packing_shards(
     padded: list[int],
     shards: int,
     args: Mapping[str, Any],
+    nemo_bins: list[list[list[int]]],
 ) -> list[list[list[int]]]:
-    """Per shard, its bins (chunk-relative rows) for one global batch of sequence packing.
+    """Per shard, its bins (chunk-relative rows) for one global batch of sequence packing;
+    ``nemo_bins`` is NeMo-RL's (its packer's bins dealt round robin).
 
-    Two candidates, the better by the placement objective (fewer encodes within the
-    tolerance): rows placed first and each rank's rows packed on their own (groups never
-    cross ranks), taken only where every rank then needs the same number of micro-batches as
-    NeMo-RL's; and NeMo-RL's bin count packed with ``pack_groups`` and the bins placed."""
+    Candidates: rows placed first and each rank's rows packed on their own (groups never cross
+    ranks), where every rank then needs NeMo-RL's number of micro-batches; NeMo-RL's bin count
+    packed with ``pack_groups`` and the bins placed; NeMo-RL's own. ``_choose`` picks."""
     offsets, ids = media.chunk(start, start + len(padded))
     lengths = np.asarray(padded, dtype=np.int64)
-    capacity = args["max_tokens_per_microbatch"]
     chosen = _SETTINGS
     bins = pack_groups(
         lengths,
-        capacity,
+        args["max_tokens_per_microbatch"],
         segments=ids,
         segment_offsets=offsets,
         algorithm=args["algorithm"],
         min_bins=shards,
         bins_multiple_of=shards,
     )
-    baseline = np.arange(bins.num_bins, dtype=np.int64) % shards  # NeMo-RL's round robin
     placed = place(
         lengths,
         shards,
@@ -176,19 +181,16 @@ def packing_shards(
         bins=bins,
         cost=chosen.cost,
         tolerance=chosen.tolerance,
-        baseline=baseline,
     )
     all_bins = bins.bins()
-    by_bins = [[all_bins[b] for b in rank] for rank in placed.ranks()]
+    candidates = [nemo_bins, [[all_bins[b] for b in rank] for rank in placed.ranks()]]
     by_rows = _rows_first(lengths, offsets, ids, media.patches, shards, args, bins.num_bins)
-    if by_rows is None:
-        return by_bins
-    row_ranks = {
-        name: _rank_of_rows([[r for b in rank for r in b] for rank in candidate], len(padded))
-        for name, candidate in (("bins", by_bins), ("rows", by_rows))
-    }
-    costs = {
-        name: placement_of(
+    if by_rows is not None:
+        candidates.append(by_rows)
+    costs = []
+    for candidate in candidates:
+        ranks = _rank_of_rows([[r for b in rank for r in b] for rank in candidate], len(padded))
+        priced = placement_of(
             ranks,
             lengths,
             shards,
@@ -197,15 +199,81 @@ def packing_shards(
             patches=media.patches,
             cost=chosen.cost,
         )
-        for name, ranks in row_ranks.items()
-    }
-    within = costs["bins"].lower_bound * (1 + chosen.tolerance)
-    rows, bins_cost = costs["rows"], costs["bins"]
-    if (
-        rows.worst <= within and (bins_cost.worst > within or rows.encodes <= bins_cost.encodes)
-    ) or (rows.worst > within and bins_cost.worst > within and rows.worst < bins_cost.worst):
-        return by_rows
-    return by_bins
+        costs.append((priced.worst, priced.encodes))
+    return candidates[_choose(costs)]
+
+
+def dynamic_order(
+    media: RowMedia,
+    start: int,
+    lengths: list[Any],
+    shards: int,
+    nemo_order: list[int],
+    micro: tuple[int, int, int],
+) -> list[int]:
+    """Chunk-relative rows in shard order (each shard's rows ascending by length, as NeMo-RL
+    orders them) for one global batch of dynamic batching; ``nemo_order`` is NeMo-RL's and
+    ``micro`` NeMo-RL's micro-batch arguments (cap, round, padded width).
+
+    Under dynamic batching every shard runs the same micro-batches, each padded to the longest
+    row at its positions over all shards: a rank's cost is those padded tokens plus its
+    unique media, and ``_choose`` picks between NeMo-RL's order and the grouped one by it."""
+    n = len(lengths)
+    offsets, ids = media.chunk(start, start + n)
+    size = n // shards
+    baseline = np.empty(n, dtype=np.int64)
+    for s in range(shards):
+        baseline[nemo_order[s * size : (s + 1) * size]] = s
+    chosen = _SETTINGS
+    placed = place(
+        np.asarray([int(x) for x in lengths], dtype=np.int64),
+        shards,
+        segments=ids,
+        segment_offsets=offsets,
+        patches=media.patches,
+        cost=chosen.cost,
+        tolerance=chosen.tolerance,
+        baseline=baseline,
+    )
+    grouped: list[int] = []
+    for rank in placed.ranks():
+        grouped.extend(sorted(rank, key=lengths.__getitem__))  # stable: ties by row
+    candidates = [nemo_order, grouped]
+    costs = []
+    for order in candidates:
+        per_shard = [[lengths[i] for i in order[s * size : (s + 1) * size]] for s in range(shards)]
+        found = dynamic_micro_batches(per_shard, *micro)
+        if found is None:
+            return nemo_order  # NeMo-RL refuses these lengths with its own message
+        spans, padded = found
+        tokens = sum(
+            chosen.cost.rows(np.asarray([length], dtype=np.int64))[0] * (b - a)
+            for (a, b), length in zip(spans, padded, strict=True)
+        )
+        ranks = np.empty(n, dtype=np.int64)
+        for s in range(shards):
+            ranks[order[s * size : (s + 1) * size]] = s
+        vision = placement_of(
+            ranks,
+            np.zeros(n, dtype=np.int64),
+            shards,
+            segments=ids,
+            segment_offsets=offsets,
+            patches=media.patches,
+            cost=chosen.cost,
+        )
+        costs.append((float(tokens) + vision.worst, vision.encodes))
+    return candidates[_choose(costs)]
+
+
+def _choose(costs: list[tuple[float, int]]) -> int:
+    """Which candidate to use, from each one's (worst rank cost, encodes); the first is
+    NeMo-RL's. Among those whose worst rank is within the tolerance of the cheapest worst rank,
+    the fewest encodes, then the cheaper worst rank, then the earlier candidate."""
+    best = min(worst for worst, _ in costs)
+    within = best * (1 + _SETTINGS.tolerance)
+    eligible = [i for i, (worst, _) in enumerate(costs) if worst <= within]
+    return min(eligible, key=lambda i: (costs[i][1], costs[i][0], i))
 
 
 def _rows_first(
@@ -268,31 +336,3 @@ def _rank_of_rows(shards: list[list[int]], n: int) -> IntArray:
     for r, rows in enumerate(shards):
         ranks[rows] = r
     return ranks
-
-
-def dynamic_order(
-    media: RowMedia, start: int, lengths: list[Any], shards: int, nemo_order: list[int]
-) -> list[int]:
-    """Chunk-relative rows in shard order (each shard's rows ascending by length, as NeMo-RL
-    orders them) for one global batch of dynamic batching; ``nemo_order`` is NeMo-RL's."""
-    n = len(lengths)
-    offsets, ids = media.chunk(start, start + n)
-    size = n // shards
-    baseline = np.empty(n, dtype=np.int64)
-    for s in range(shards):
-        baseline[nemo_order[s * size : (s + 1) * size]] = s
-    chosen = _SETTINGS
-    placed = place(
-        np.asarray([int(x) for x in lengths], dtype=np.int64),
-        shards,
-        segments=ids,
-        segment_offsets=offsets,
-        patches=media.patches,
-        cost=chosen.cost,
-        tolerance=chosen.tolerance,
-        baseline=baseline,
-    )
-    order: list[int] = []
-    for rank in placed.ranks():
-        order.extend(sorted(rank, key=lengths.__getitem__))  # stable: ties by row
-    return order

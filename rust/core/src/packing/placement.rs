@@ -382,13 +382,26 @@ fn greedy(
         }
         c
     };
-    let mut queue: BinaryHeap<(Cost, Reverse<usize>, usize)> = pieces
+    // The pieces in order of cost, costliest first: sorted once; the rests of split pieces
+    // (few) wait in a heap and are merged in as the order comes to them.
+    let mut sorted: Vec<(Cost, Reverse<usize>, usize)> = pieces
         .iter()
         .map(|&(a, b)| (Cost(piece_cost(a, b, &mut stamps)), Reverse(a), b))
         .collect();
+    sorted.sort_unstable_by(|x, y| y.cmp(x));
+    let mut sorted = sorted.into_iter().peekable();
+    let mut queue: BinaryHeap<(Cost, Reverse<usize>, usize)> = BinaryHeap::new();
     let mut idle: BinaryHeap<Reverse<(Cost, usize)>> =
         (0..ranks).map(|r| Reverse((Cost(0.0), r))).collect();
-    while let Some((_, Reverse(a), b)) = queue.pop() {
+    loop {
+        let next = match (sorted.peek(), queue.peek()) {
+            (Some(x), Some(y)) if y > x => queue.pop(),
+            (Some(_), _) => sorted.next(),
+            (None, _) => queue.pop(),
+        };
+        let Some((_, Reverse(a), b)) = next else {
+            break;
+        };
         // The least-loaded rank with room (entries whose load changed since are stale).
         let mut pick = None;
         while let Some(Reverse((Cost(load), r))) = idle.pop() {
@@ -585,6 +598,13 @@ pub fn place(input: &PlacementInput<'_>, opts: &PlacementOptions<'_>) -> CoreRes
         fill[g] += 1;
     }
     let pieces: Vec<(usize, usize)> = starts.windows(2).map(|w| (w[0], w[1])).collect();
+    // A group's costliest items first: a split takes them, the rest fills in (LPT within it).
+    for &(a, b) in &pieces {
+        if b - a > 1 {
+            members[a..b]
+                .sort_by(|&x, &y| items.costs[y].total_cmp(&items.costs[x]).then(x.cmp(&y)));
+        }
+    }
 
     let within = lower_bound * (1.0 + opts.tolerance);
     let mut whole = greedy(
@@ -623,6 +643,22 @@ pub fn place(input: &PlacementInput<'_>, opts: &PlacementOptions<'_>) -> CoreRes
             );
             candidates.push((PlacementKind::Split, costs_of(&items, &split, ranks), split));
         }
+        // Every item on its own (LPT over items): where groups are few and large (one image
+        // for the whole batch), spreading them costs no more encodes than splitting does.
+        let singles: Vec<(usize, usize)> = (0..n).map(|k| (k, k + 1)).collect();
+        let spread = greedy(
+            &items,
+            &members,
+            &singles,
+            ranks,
+            f64::INFINITY,
+            opts.balance_counts,
+        );
+        candidates.push((
+            PlacementKind::Split,
+            costs_of(&items, &spread, ranks),
+            spread,
+        ));
     }
     // Fewest encodes within the tolerance; otherwise the lowest worst rank.
     let best = candidates
