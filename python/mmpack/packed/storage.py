@@ -21,6 +21,8 @@ from __future__ import annotations
 from copy import deepcopy
 from typing import Any, TypeVar
 
+import numpy as np
+
 from mmpack._native import PackedLayout
 from mmpack.packed.nemo_fields import layout_from_fields
 from mmpack.packed.state import (
@@ -204,6 +206,24 @@ class SegmentStorage:
         self._layout = state.layout
         if state.extra:
             d.update(state.extra)
+
+    def segment_identities(self) -> np.ndarray | None:
+        """The provenance id of every physical segment as a read-only array of 16-byte void
+        scalars (equal ids: the same segment), or ``None`` without provenance. For grouping
+        rows by the media they share; the ids are never compared with anything but ids."""
+        lay = self._lay()
+        blob = lay.provenance_blob() if lay is not None else None
+        if blob is None:
+            return None
+        ids = np.frombuffer(blob, dtype=np.dtype((np.void, 16)))
+        return ids
+
+    def segment_numels(self) -> np.ndarray:
+        """Elements of every physical segment (0 for an empty entry), as int64, without reading
+        any segment's data."""
+        return np.fromiter(
+            (0 if t is None else t.numel() for t in self._phys()), np.int64, len(self._phys())
+        )
 
     def _tensor_list(self) -> list[Any]:
         t = self.tensors

@@ -375,24 +375,6 @@ class PackedTensor(SegmentStorage):
         offsets.flags.writeable = indices.flags.writeable = False
         return offsets, indices
 
-    def segment_identities(self) -> np.ndarray | None:
-        """The provenance id of every physical segment as a read-only array of 16-byte void
-        scalars (equal ids: the same segment), or ``None`` without provenance. For grouping
-        rows by the media they share; the ids are never compared with anything but ids."""
-        lay = self._lay()
-        blob = lay.provenance_blob() if lay is not None else None
-        if blob is None:
-            return None
-        ids = np.frombuffer(blob, dtype=np.dtype((np.void, 16)))
-        return ids
-
-    def segment_numels(self) -> np.ndarray:
-        """Elements of every physical segment (0 for an empty entry), as int64, without reading
-        any segment's data."""
-        return np.fromiter(
-            (0 if t is None else t.numel() for t in self._phys()), np.int64, len(self._phys())
-        )
-
     def physical_nbytes(self) -> int:
         """Bytes of the physical segments (every non-``None`` entry of ``tensors``, each
         counted once per entry; unreferenced entries included)."""

@@ -351,8 +351,51 @@ impl Ord for Cost {
     }
 }
 
-/// Longest-processing-time first over pieces of groups (`members[a..b]`, items in index
-/// order), each to the least-loaded rank with room. A piece that would take that rank above
+/// How many items of `piece` (from its start) go to rank `r` and the rank's load after: the
+/// longest prefix within `target` and `room`, at least one item; the whole piece where only
+/// its first item fits and the room takes it (the least-loaded rank is over the target
+/// already, and splitting would only add encodes).
+#[allow(clippy::too_many_arguments)]
+fn prefix_on(
+    items: &Items,
+    piece: &[usize],
+    r: usize,
+    load: f64,
+    room: usize,
+    target: f64,
+    holdings: &Holdings,
+    stamps: &mut Stamps,
+) -> (usize, f64) {
+    let start = load;
+    let add_all = |upto: usize, stop_at: f64, stamps: &mut Stamps| {
+        stamps.next();
+        let mut load = start;
+        let mut end = 0;
+        while end < upto {
+            let i = piece[end];
+            let mut add = items.costs[i];
+            for &s in items.segs(i) {
+                if stamps.first(s) && !holdings.holds(s, r) {
+                    add += items.segment_costs[s];
+                }
+            }
+            if end > 0 && load + add > stop_at {
+                break;
+            }
+            load += add;
+            end += 1;
+        }
+        (end, load)
+    };
+    let (end, load) = add_all(piece.len().min(room), target, stamps);
+    if end == 1 && piece.len() <= room && piece.len() > 1 {
+        return add_all(piece.len(), f64::INFINITY, stamps);
+    }
+    (end, load)
+}
+
+/// Longest-processing-time first over pieces of groups (`members[a..b]`, a group's costliest
+/// items first), each to the least-loaded rank with room. A piece that would take that rank above
 /// `target`, or past its item count, is split: the longest prefix that fits stays, the rest
 /// goes back to the queue as a new piece (its segments charged again).
 fn greedy(
@@ -423,40 +466,17 @@ fn greedy(
                 r = q;
             }
         }
-        let room = counts.room(r);
-        // The longest prefix within the target and the room; at least one item.
-        stamps.next();
-        let mut load = loads[r];
-        let mut end = a;
-        while end < b && end - a < room {
-            let i = members[end];
-            let mut add = items.costs[i];
-            for &s in items.segs(i) {
-                if stamps.first(s) && !holdings.holds(s, r) {
-                    add += items.segment_costs[s];
-                }
-            }
-            if end > a && load + add > target {
-                break;
-            }
-            load += add;
-            end += 1;
-        }
-        // Nothing but the first item fits: the least-loaded rank is over the target already,
-        // and splitting would only add encodes.
-        if end == a + 1 && b - a <= room && b > end {
-            stamps.next();
-            load = loads[r];
-            for &i in &members[a..b] {
-                load += items.costs[i];
-                for &s in items.segs(i) {
-                    if stamps.first(s) && !holdings.holds(s, r) {
-                        load += items.segment_costs[s];
-                    }
-                }
-            }
-            end = b;
-        }
+        let (end, load) = prefix_on(
+            items,
+            &members[a..b],
+            r,
+            loads[r],
+            counts.room(r),
+            target,
+            &holdings,
+            &mut stamps,
+        );
+        let end = a + end;
         for &i in &members[a..end] {
             rank_of[i] = r;
             for &s in items.segs(i) {
@@ -550,12 +570,59 @@ fn costs_of(items: &Items, ranks: &[usize], num_ranks: usize) -> PlacementCosts 
     }
 }
 
-/// Places the items on `opts.num_ranks` ranks (see the module docs).
-///
-/// # Errors
-/// `PackingArgument` for malformed input, `num_ranks == 0`, a negative or non-finite
-/// tolerance or cost, or a baseline of the wrong length or with a rank out of range.
-pub fn place(input: &PlacementInput<'_>, opts: &PlacementOptions<'_>) -> CoreResult<Placement> {
+/// Every group's items (`members[a..b]` for each piece `(a, b)`, one piece a group), each
+/// group's costliest items first: a split takes them, the rest fills in (LPT within it).
+fn group_pieces(
+    items: &Items,
+    item_groups: &[usize],
+    num_groups: usize,
+) -> (Vec<usize>, Vec<(usize, usize)>) {
+    let mut starts = vec![0usize; num_groups + 1];
+    for &g in item_groups {
+        starts[g + 1] += 1;
+    }
+    for g in 0..num_groups {
+        starts[g + 1] += starts[g];
+    }
+    let mut fill = starts.clone();
+    let mut members = vec![0usize; item_groups.len()];
+    for (i, &g) in item_groups.iter().enumerate() {
+        members[fill[g]] = i;
+        fill[g] += 1;
+    }
+    let pieces: Vec<(usize, usize)> = starts.windows(2).map(|w| (w[0], w[1])).collect();
+    for &(a, b) in &pieces {
+        if b - a > 1 {
+            members[a..b]
+                .sort_by(|&x, &y| items.costs[y].total_cmp(&items.costs[x]).then(x.cmp(&y)));
+        }
+    }
+    (members, pieces)
+}
+
+/// The candidate to use: the fewest encodes among those within `within`; otherwise the lowest
+/// worst rank.
+fn pick(candidates: &[(PlacementKind, PlacementCosts, Vec<usize>)], within: f64) -> usize {
+    candidates
+        .iter()
+        .enumerate()
+        .min_by(|(_, x), (_, y)| {
+            let (wx, wy) = (x.1.worst(), y.1.worst());
+            match (wx <= within, wy <= within) {
+                (true, true) => x.1.encodes().cmp(&y.1.encodes()).then(wx.total_cmp(&wy)),
+                (true, false) => Ordering::Less,
+                (false, true) => Ordering::Greater,
+                (false, false) => wx.total_cmp(&wy).then(x.1.encodes().cmp(&y.1.encodes())),
+            }
+        })
+        .map_or(0, |(i, _)| i)
+}
+
+/// The items, and the baseline as ranks, after every check of the arguments.
+fn checked(
+    input: &PlacementInput<'_>,
+    opts: &PlacementOptions<'_>,
+) -> CoreResult<(Items, Option<Vec<usize>>)> {
     let ranks = opts.num_ranks;
     if ranks == 0 {
         return Err(arg("num_ranks", "must be a positive integer, got 0".into()));
@@ -568,10 +635,9 @@ pub fn place(input: &PlacementInput<'_>, opts: &PlacementOptions<'_>) -> CoreRes
     }
     probe_ranks(ranks)?;
     let items = Items::new(input)?;
-    let n = items.len();
     let baseline = match opts.baseline {
         Some(b) => {
-            let base = checked_ranks(b, n, ranks, "baseline")?;
+            let base = checked_ranks(b, items.len(), ranks, "baseline")?;
             if opts.balance_counts {
                 check_balanced(&base, ranks)?;
             }
@@ -579,32 +645,23 @@ pub fn place(input: &PlacementInput<'_>, opts: &PlacementOptions<'_>) -> CoreRes
         }
         None => None,
     };
+    Ok((items, baseline))
+}
+
+/// Places the items on `opts.num_ranks` ranks (see the module docs).
+///
+/// # Errors
+/// `PackingArgument` for malformed input, `num_ranks == 0`, a negative or non-finite
+/// tolerance or cost, or a baseline of the wrong length or with a rank out of range.
+pub fn place(input: &PlacementInput<'_>, opts: &PlacementOptions<'_>) -> CoreResult<Placement> {
+    let ranks = opts.num_ranks;
+    let (items, baseline) = checked(input, opts)?;
+    let n = items.len();
     let item_groups = groups(&items);
     let lower_bound = lower_bound(&items, ranks);
 
-    // Members of every group, in item order; one piece per group.
     let num_groups = item_groups.iter().map(|&g| g + 1).max().unwrap_or(0);
-    let mut starts = vec![0usize; num_groups + 1];
-    for &g in &item_groups {
-        starts[g + 1] += 1;
-    }
-    for g in 0..num_groups {
-        starts[g + 1] += starts[g];
-    }
-    let mut fill = starts.clone();
-    let mut members = vec![0usize; n];
-    for (i, &g) in item_groups.iter().enumerate() {
-        members[fill[g]] = i;
-        fill[g] += 1;
-    }
-    let pieces: Vec<(usize, usize)> = starts.windows(2).map(|w| (w[0], w[1])).collect();
-    // A group's costliest items first: a split takes them, the rest fills in (LPT within it).
-    for &(a, b) in &pieces {
-        if b - a > 1 {
-            members[a..b]
-                .sort_by(|&x, &y| items.costs[y].total_cmp(&items.costs[x]).then(x.cmp(&y)));
-        }
-    }
+    let (members, pieces) = group_pieces(&items, &item_groups, num_groups);
 
     let within = lower_bound * (1.0 + opts.tolerance);
     let mut whole = greedy(
@@ -660,20 +717,7 @@ pub fn place(input: &PlacementInput<'_>, opts: &PlacementOptions<'_>) -> CoreRes
             spread,
         ));
     }
-    // Fewest encodes within the tolerance; otherwise the lowest worst rank.
-    let best = candidates
-        .iter()
-        .enumerate()
-        .min_by(|(_, x), (_, y)| {
-            let (wx, wy) = (x.1.worst(), y.1.worst());
-            match (wx <= within, wy <= within) {
-                (true, true) => x.1.encodes().cmp(&y.1.encodes()).then(wx.total_cmp(&wy)),
-                (true, false) => Ordering::Less,
-                (false, true) => Ordering::Greater,
-                (false, false) => wx.total_cmp(&wy).then(x.1.encodes().cmp(&y.1.encodes())),
-            }
-        })
-        .map_or(0, |(i, _)| i);
+    let best = pick(&candidates, within);
     let (mut kind, mut costs, mut chosen) = candidates.swap_remove(best);
     if let Some(base) = baseline {
         let base_costs = costs_of(&items, &base, ranks);
@@ -747,39 +791,7 @@ fn improve_by_swaps(
             .max_by(|&x, &y| loads[x].total_cmp(&loads[y]).then(y.cmp(&x)))
             .unwrap_or(0);
         let lw = loads[w];
-        // (resulting pair maximum, group off w, group back or MAX, rank q)
-        let mut best: Option<(f64, usize, usize, usize)> = None;
-        for q in (0..ranks).filter(|&q| q != w) {
-            let lq = loads[q];
-            for &a in &on[w] {
-                if !balanced && lq + cost[a] < lw {
-                    let m = (lw - cost[a]).max(lq + cost[a]);
-                    if best.is_none_or(|b| m < b.0) {
-                        best = Some((m, a, usize::MAX, q));
-                    }
-                }
-                // The best partner: same size, cost nearest cost[a] - (lw - lq) / 2.
-                let want = cost[a] - 0.5 * (lw - lq);
-                let list = &on[q];
-                let lo = list.partition_point(|&b| size[b] < size[a]);
-                let hi = list.partition_point(|&b| size[b] <= size[a]);
-                let at = lo + list[lo..hi].partition_point(|&b| cost[b] < want);
-                for k in [at.wrapping_sub(1), at] {
-                    if k < lo || k >= hi {
-                        continue;
-                    }
-                    let b = list[k];
-                    let delta = cost[a] - cost[b];
-                    if delta <= 0.0 {
-                        continue;
-                    }
-                    let m = (lw - delta).max(lq + delta);
-                    if m < lw && best.is_none_or(|x| m < x.0) {
-                        best = Some((m, a, b, q));
-                    }
-                }
-            }
-        }
+        let best = best_step(w, &loads, &on, &cost, &size, balanced);
         let Some((m, a, b, q)) = best else { break };
         if m >= lw {
             break;
@@ -802,6 +814,52 @@ fn improve_by_swaps(
     for (i, &g) in item_groups.iter().enumerate() {
         rank_of[i] = group_rank[g];
     }
+}
+
+/// The move or swap off rank `w` that leaves its pair of ranks with the lowest maximum:
+/// `(that maximum, group off w, group back or MAX, other rank)`, if one lowers `w`.
+fn best_step(
+    w: usize,
+    loads: &[f64],
+    on: &[Vec<usize>],
+    cost: &[f64],
+    size: &[usize],
+    balanced: bool,
+) -> Option<(f64, usize, usize, usize)> {
+    let lw = loads[w];
+    let mut best: Option<(f64, usize, usize, usize)> = None;
+    for q in (0..loads.len()).filter(|&q| q != w) {
+        let lq = loads[q];
+        for &a in &on[w] {
+            if !balanced && lq + cost[a] < lw {
+                let m = (lw - cost[a]).max(lq + cost[a]);
+                if best.is_none_or(|b| m < b.0) {
+                    best = Some((m, a, usize::MAX, q));
+                }
+            }
+            // The best partner: same size, cost nearest cost[a] - (lw - lq) / 2.
+            let want = cost[a] - 0.5 * (lw - lq);
+            let list = &on[q];
+            let lo = list.partition_point(|&b| size[b] < size[a]);
+            let hi = list.partition_point(|&b| size[b] <= size[a]);
+            let at = lo + list[lo..hi].partition_point(|&b| cost[b] < want);
+            for k in [at.wrapping_sub(1), at] {
+                if k < lo || k >= hi {
+                    continue;
+                }
+                let b = list[k];
+                let delta = cost[a] - cost[b];
+                if delta <= 0.0 {
+                    continue;
+                }
+                let m = (lw - delta).max(lq + delta);
+                if m < lw && best.is_none_or(|x| m < x.0) {
+                    best = Some((m, a, b, q));
+                }
+            }
+        }
+    }
+    best
 }
 
 /// Per-rank arrays are sized by an argument: refuse a count whose arrays cannot exist.
