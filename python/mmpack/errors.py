@@ -9,7 +9,8 @@ All are subclasses of ``MmpackError`` (a ``ValueError``), grouped by area so tha
     ├── PackingError                  sequence packing (lengths, budgets, bin counts, arguments)
     ├── BatchError                    packed batches (samples, loss masks, turns, media, options)
     ├── EnergonDataError              the Megatron-Energon integration (config, samples)
-    └── PickleSecurityError           the safe NeMo-RL pickle loader (unsafe or corrupt input)
+    ├── PickleSecurityError           the safe NeMo-RL pickle loader (unsafe or corrupt input)
+    └── VisionError                   unique media into the model (model families, unique inputs)
 
 Where NeMo-RL raises a builtin type mmpack raises it too, or a class that is also that builtin
 (documented on each class and at the raising site).
@@ -248,6 +249,39 @@ class PickleTooLargeError(PickleSecurityError):
     """``mmpack.compat.nemo_rl.loads`` / ``load`` would need more memory than a payload of that size
     may cost: by default 32 times its size plus 64 MiB, or the caller's ``max_bytes=``. Refused
     before the memory is allocated; the message gives the payload's size and the bound.
+    """
+
+
+# --- vision ---
+
+
+@_row("vision")
+class VisionError(MmpackError):
+    """Base class of the errors of unique media into the model (``mmpack.vision``): a model
+    family it cannot adapt, unique media a model was not adapted for, or unique media that does
+    not match the batch's placeholders.
+    """
+
+
+@_row("vision")
+class UnsupportedModelError(VisionError, TypeError):
+    """``mmpack.vision.encode_once`` got a model whose family it cannot adapt; the message names
+    the model's class and the families it supports.
+    """
+
+
+@_row("vision")
+class UnadaptedModelError(VisionError):
+    """A model read mmpack's ``UniqueSegments`` as if it were a tensor: it was not adapted with
+    ``mmpack.vision.encode_once``, so it would run without its media.
+    """
+
+
+@_row("vision")
+class UniqueMediaError(VisionError):
+    """Unique media given to an adapted model does not fit the call: a value key without its
+    metadata key, counts that disagree between them, or a model kwarg it cannot be combined
+    with; the message names the keys.
     """
 
 

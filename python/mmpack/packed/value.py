@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 from mmpack._coerce import count_int, host_tensor, index_array
+from mmpack._coerce import pack_dim as _unique_pack_dim
 from mmpack._native import (
     IndexOverflowError,
     LayoutError,
@@ -44,10 +45,12 @@ from mmpack._native import (
 )
 from mmpack.packed import gather as _gather
 from mmpack.packed import transfer as _transfer
+from mmpack.packed import unique as _unique
 from mmpack.packed.nemo_fields import RawField, empty_rows_layout
 from mmpack.packed.nemo_fields import layout_from_fields as _build_layout
 from mmpack.packed.pickling import format as _pickle_format
 from mmpack.packed.storage import SegmentStorage
+from mmpack.packed.unique import UniqueSegments
 
 __all__ = ["PackedTensor"]
 
@@ -202,6 +205,16 @@ class PackedTensor(SegmentStorage):
         ``pin_memory=True`` (needs CUDA). See ``mmpack.packed.gather``."""
         lay = self._lay()
         indices = lay.indices() if lay is not None and lay.is_csr else None
+        return self._gather(indices, device, out, pin_memory)
+
+    def _gather(
+        self,
+        indices: Any,
+        device: torch.device | str | None,
+        out: torch.Tensor | None,
+        pin_memory: bool,
+    ) -> torch.Tensor | None:
+        """The physical segments ``indices`` lists (``None``: one per row), concatenated."""
         store = self._store_views()
         if store is not None and device is None:
             result = _gather.as_tensor_from_store(
@@ -219,6 +232,47 @@ class PackedTensor(SegmentStorage):
             device,
             out=out,
             pin_memory=pin_memory,
+        )
+
+    def unique_segments(self, device: torch.device | str | None = None) -> UniqueSegments | None:
+        """The media of ``as_tensor()`` with each unique segment once (same provenance id: same
+        segment), and the index from every logical occurrence to its unique segment; ``None``
+        when no row has media. ``device`` moves the physical segments first, in place, as
+        ``as_tensor`` does. The input of models adapted by ``mmpack.vision.encode_once``; see
+        ``mmpack.packed.unique``."""
+        lay = self._lay()
+        phys = self._phys()
+        n = len(phys)
+        if lay is not None and lay.is_csr:
+            logical = np.asarray(lay.indices(), dtype=np.int64)
+        else:
+            logical = np.arange(n, dtype=np.int64)
+        present = np.fromiter((t is not None for t in phys), dtype=bool, count=n)
+        logical = logical[present[logical]] if logical.size else logical
+        if logical.size == 0:
+            return None
+        identities = self.segment_identities()
+        representatives, index = _unique.unique_order(logical, identities)
+        values = self._gather(representatives, device, None, False)
+        if values is None:
+            return None
+        segments = self._phys()  # moved in place by a device gather
+        first = segments[int(representatives[0])]
+        dim = _unique_pack_dim(self.dim_to_pack, len(first.shape))
+        if dim is None:  # as_tensor refused it already; kept for the type checker
+            raise IndexError(f"dim_to_pack={self.dim_to_pack} is invalid")
+        sizes = np.fromiter(
+            (segments[int(p)].shape[dim] for p in representatives), np.int64, representatives.size
+        )
+        offsets = np.zeros(sizes.size + 1, dtype=np.int64)
+        np.cumsum(sizes, out=offsets[1:])
+        ids = (
+            tuple([None] * representatives.size)
+            if identities is None
+            else tuple(bytes(identities[p]) for p in representatives.tolist())
+        )
+        return UniqueSegments(
+            values, offsets, torch.from_numpy(index).to(values.device), ids, dim
         )
 
     def to(self, device: torch.device | str, *, non_blocking: bool = True) -> PackedTensor:
