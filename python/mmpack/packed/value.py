@@ -271,9 +271,7 @@ class PackedTensor(SegmentStorage):
             if identities is None
             else tuple(bytes(identities[p]) for p in representatives.tolist())
         )
-        return UniqueSegments(
-            values, offsets, torch.from_numpy(index).to(values.device), ids, dim
-        )
+        return UniqueSegments(values, offsets, torch.from_numpy(index).to(values.device), ids, dim)
 
     def to(self, device: torch.device | str, *, non_blocking: bool = True) -> PackedTensor:
         """Move the physical segments (a new list), keeping provenance; returns ``self``. Each
