@@ -215,8 +215,8 @@ class _Adapter:
                 f"tensors for {int(counts.sum())} {modality.name}s of {modality.items_key!r}"
             )
         self.stats.encoded += len(pooled)
-        starts = np.cumsum(counts) - counts
-        return [tuple(pooled[s : s + c]) for s, c in zip(starts.tolist(), counts.tolist())]
+        starts = (np.cumsum(counts) - counts).tolist()
+        return [tuple(pooled[s : s + c]) for s, c in zip(starts, counts.tolist(), strict=True)]
 
 
 def per_unique(
