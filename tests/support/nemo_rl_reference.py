@@ -21,6 +21,12 @@ PackedTensor = mmpack.PackedTensor
 
 MEDIA_KEYS = frozenset({"vllm_content", "vllm_images"})
 
+#: media keys and their metadata keys, whose per-row segment counts must agree
+COUPLED_MULTIMODAL_KEYS = (
+    ("pixel_values", "image_grid_thw"),
+    ("pixel_values_videos", "video_grid_thw"),
+)
+
 
 def prepare_sharing(item: Any, *, media_context: bool = False) -> dict[int, Any]:
     """NeMo-RL's rule: PackedTensors get provenance, leaves under media keys are shared."""
@@ -69,6 +75,36 @@ class ReferenceBatchedDataDict(UserDict):  # type: ignore[type-arg]
                     )
                     rows.extend(copy.deepcopy(item, dict(shared)) for _ in range(num_repeats))
                 out[key] = rows
+        return out
+
+    #: plain tensors that travel with the media keys
+    ADDITIONAL_OPTIONAL_KEY_TENSORS = ("second_per_grid_ts",)
+
+    def get_multimodal_dict(
+        self, as_tensors: bool = False, device: Any = None, pixel_dtype: Any = None
+    ) -> dict[str, Any]:
+        """Every packed key, as the value or (``as_tensors``) every row's own copy of its media,
+        after checking that coupled keys agree row by row; ``pixel_dtype`` casts pixels."""
+        if as_tensors:
+            for value_key, metadata_key in COUPLED_MULTIMODAL_KEYS:
+                value, metadata = self.data.get(value_key), self.data.get(metadata_key)
+                if isinstance(value, PackedTensor) and isinstance(metadata, PackedTensor):
+                    a = value.logical_segment_counts_by_row()
+                    b = metadata.logical_segment_counts_by_row()
+                    if a != b:
+                        raise ValueError(
+                            "Coupled multimodal keys must have the same ordered per-row "
+                            f"segment counts, but {value_key!r} has {a} and {metadata_key!r} "
+                            f"has {b}."
+                        )
+        out: dict[str, Any] = {}
+        for key, value in self.data.items():
+            if isinstance(value, PackedTensor):
+                if pixel_dtype is not None and key.startswith("pixel_values"):
+                    value = value.to_dtype(pixel_dtype)
+                out[key] = value.as_tensor(device=device) if as_tensors else value
+            elif key in self.ADDITIONAL_OPTIONAL_KEY_TENSORS:
+                out[key] = value
         return out
 
     def select_indices(self, indices: list[int]) -> Any:

@@ -14,6 +14,7 @@ from mmpack.compat import nemo_rl as compat
 from mmpack.compat.nemo_rl.packing import get_packer
 
 from support.nemo_rl_reference import (
+    COUPLED_MULTIMODAL_KEYS,
     MEDIA_KEYS,
     ReferenceBatchedDataDict,
     ReferenceSlicedDataDict,
@@ -39,6 +40,7 @@ def installed_standins() -> Iterator[types.ModuleType]:
     batched = modules["nemo_rl.distributed.batched_data_dict"]
     batched.PackedTensor = NemoPackedTensor  # type: ignore[attr-defined]
     batched.NATIVE_MULTIMODAL_KEYS = MEDIA_KEYS  # type: ignore[attr-defined]
+    batched._COUPLED_MULTIMODAL_KEYS = COUPLED_MULTIMODAL_KEYS  # type: ignore[attr-defined]
     batched._prepare_multimodal_sharing = prepare_sharing  # type: ignore[attr-defined]
     ReferenceBatchedDataDict.repeat_interleave = ReferenceBatchedDataDict.__dict__[
         "repeat_interleave"

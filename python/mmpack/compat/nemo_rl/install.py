@@ -31,6 +31,7 @@ class _InstallState:
     mode: str | None = None
     store_was_on: bool = False
     accelerated: bool = False
+    unique_method: bool = False
     # (module or class, attribute name, previous value)
     patched: list[tuple[types.ModuleType | type, str, Any]] = []  # noqa: RUF012
     shim_modules: list[str] = []  # noqa: RUF012
@@ -55,6 +56,7 @@ def install(
     accelerate: bool = False,
     placement: str = "groups",
     placement_cost: PlacementCost | None = None,
+    unique_media: bool | None = None,
 ) -> str:
     """Make NeMo-RL use ``mmpack.PackedTensor``; return ``"patched"`` or ``"shim"``.
 
@@ -78,16 +80,44 @@ def install(
     move between ranks and micro-batches (``mmpack.compat.nemo_rl.placement``). ``"nemo_rl"``
     keeps NeMo-RL's placement exactly.
 
+    ``unique_media=True``: ``BatchedDataDict.get_multimodal_dict(as_tensors=True)`` gives each
+    packed key as ``UniqueSegments`` (each unique segment once, and the index of its
+    occurrences) instead of every row's own copy, for a model adapted by
+    ``mmpack.vision.encode_once`` (``mmpack.compat.nemo_rl.unique_media``); a call may choose
+    with ``unique=``. ``accelerate=True`` sets the method too, off by default.
+
     Idempotent: a second call returns the mode of the first without doing anything, except that
-    ``accelerate=True`` adds the methods if the first call did not, and sets the placement
-    arguments it is given. Thread-safe.
+    ``accelerate=True`` adds the methods if the first call did not, and it sets the placement
+    and ``unique_media`` arguments it is given. Thread-safe.
     """
+    from mmpack.compat.nemo_rl import unique_media as unique
     from mmpack.compat.nemo_rl.placement import configure
 
     with _LOCK:
         if accelerate:
             configure(placement, placement_cost)  # checks them before anything changes
-        return _install(accelerate)
+        if unique_media:
+            _batched_data_dict_module()  # a failure changes nothing
+        if unique_media is not None:
+            unique.configure(unique_media)
+        mode = _install(accelerate)
+        if (accelerate or unique_media) and not _InstallState.unique_method:
+            _install_unique_method(required=bool(unique_media))
+        return mode
+
+
+def _install_unique_method(*, required: bool) -> None:
+    from mmpack.compat.nemo_rl.unique_media import unique_get_multimodal_dict
+
+    batched, _ = _batched_data_dict_module()
+    cls = batched.BatchedDataDict
+    original = cls.__dict__.get("get_multimodal_dict")
+    if original is None:  # a NeMo-RL from before multimodal batches
+        if required:
+            raise ImportError("NeMo-RL's BatchedDataDict has no get_multimodal_dict to extend")
+        return
+    _set(cls, "get_multimodal_dict", unique_get_multimodal_dict(original))
+    _InstallState.unique_method = True
 
 
 def _install(accelerate: bool) -> str:
@@ -241,6 +271,9 @@ def _uninstall() -> None:
     _InstallState.shim_modules = []
     _InstallState.mode = None
     _InstallState.accelerated = False
+    _InstallState.unique_method = False
+    from mmpack.compat.nemo_rl import unique_media
     from mmpack.compat.nemo_rl.placement import configure
 
     configure("groups", None)
+    unique_media.configure(False)
