@@ -18,9 +18,10 @@ from mmpack.errors import UnadaptedModelError
 from mmpack.packed.unique import UniqueSegments
 from mmpack.vision import encode_once, encode_stats
 from support.nemo_rl_standins import installed_standins
+from support.tiny_vlms import IMAGE as IMAGE_TOKEN
+from support.tiny_vlms import VISION_END, VISION_START, build_model
 
 G = 4
-VOCAB, IMAGE_TOKEN, VIDEO_TOKEN, VISION_START, VISION_END = 128, 120, 121, 122, 123
 #: (t, h, w) patch grids of each prompt's images; a merged token is 2 x 2 patches
 GRIDS = (((1, 4, 4),), ((1, 2, 4), (1, 4, 2)), ((1, 2, 2),))
 
@@ -33,31 +34,7 @@ def nemo() -> Iterator[Any]:
 
 @pytest.fixture(scope="module")
 def model() -> Any:
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
-
-    torch.manual_seed(0)
-    text = {
-        "vocab_size": VOCAB,
-        "hidden_size": 32,
-        "intermediate_size": 64,
-        "num_hidden_layers": 1,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-        "pad_token_id": 0,
-        "rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 3, 3]},
-    }
-    vision = {"depth": 1, "embed_dim": 16, "hidden_size": 32, "num_heads": 2, "patch_size": 2}
-    config = Qwen2VLConfig(
-        text_config=text,
-        vision_config={**vision, "temporal_patch_size": 2, "spatial_merge_size": 2},
-        image_token_id=IMAGE_TOKEN,
-        video_token_id=VIDEO_TOKEN,
-        vision_start_token_id=VISION_START,
-        vision_end_token_id=VISION_END,
-    )
-    return Qwen2VLForConditionalGeneration(config).double().eval()
+    return build_model("qwen2_vl")
 
 
 def _batch(batched: Any) -> Any:
