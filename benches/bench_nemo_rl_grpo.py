@@ -73,12 +73,14 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-MODES = ("nemo_rl", "mmpack", "mmpack_accelerated", "mmpack_groups")
+MODES = ("nemo_rl", "mmpack", "mmpack_accelerated", "mmpack_groups", "mmpack_unique")
 #: ``install`` arguments per mode (``nemo_rl`` installs nothing).
 INSTALL_ARGS: dict[str, dict[str, Any]] = {
     "mmpack": {},
     "mmpack_accelerated": {"accelerate": True, "placement": "nemo_rl"},
     "mmpack_groups": {"accelerate": True},  # placement="groups", the default
+    # the workers' get_multimodal_dict(as_tensors=True) gives each unique segment once
+    "mmpack_unique": {"accelerate": True, "unique_media": True},
 }
 #: Modes that place rows as NeMo-RL does: every stage's output is identical to NeMo-RL's.
 KEEPS_PLACEMENT = ("nemo_rl", "mmpack", "mmpack_accelerated")
@@ -388,11 +390,11 @@ def run_path(
                 # Fingerprinting the materialized tensors is not timed: a second walk.
                 for gb, mb in _microbatches_by_gb(received, packing, gbs):
                     tensors = mb.get_multimodal_dict(as_tensors=True)
+                    materialized += sum(_materialized_bytes(v) for v in tensors.values())
+                    # unique media is checked by what it stands for: every row's own media
+                    tensors = {k: _logical(v) for k, v in tensors.items()}
                     worker_prints.append(prints.of(tensors))
                     checks.microbatch(name, gb, mb, tensors)
-                    materialized += sum(
-                        v.nbytes for v in tensors.values() if isinstance(v, torch.Tensor)
-                    )
             del received
         if checks is not None:
             checks.microbatches_done(name)
@@ -434,6 +436,19 @@ def _microbatches_by_gb(shard: Any, packing: bool, global_batch: int) -> Iterato
             ).make_microbatch_iterator_with_dynamic_shapes()
         for mb in mbs:
             yield gb, mb
+
+
+def _materialized_bytes(value: Any) -> int:
+    """Bytes a worker's ``as_tensors=True`` output wrote: a tensor's, or unique media's values."""
+    import torch
+
+    if type(value).__name__ == "UniqueSegments":
+        return int(value.values.nbytes)
+    return int(value.nbytes) if isinstance(value, torch.Tensor) else 0
+
+
+def _logical(value: Any) -> Any:
+    return value.logical() if type(value).__name__ == "UniqueSegments" else value
 
 
 def _drain(it: Iterator[Any]) -> None:
@@ -1034,6 +1049,7 @@ def parent(args: argparse.Namespace) -> int:
             )
         if args.verify:
             _print_media(results, modes)
+            _print_materialized(results, modes)
             failures += _check_rows(results, modes)
             for m in modes[1:]:
                 base = results[modes[0]]["digests"]
@@ -1076,6 +1092,19 @@ def _print_media(results: dict[str, Any], modes: list[str]) -> None:
                 f"sum {sum(mb) / 1e3:.3f} GB = {sum(mb) * 1e6 / max(unique, 1):.2f}x the "
                 "batch's unique images)"
             )
+
+
+def _print_materialized(results: dict[str, Any], modes: list[str]) -> None:
+    """Bytes the workers' ``get_multimodal_dict(as_tensors=True)`` wrote over every
+    micro-batch, against the unique media of the shards they walked (both shardings)."""
+    for m in modes:
+        written = results[m]["unique_bytes"]["materialized"]
+        media = results[m]["row_checks"]["media"]
+        unique = sum(b for stage in ("shard_packing", "shard_dynamic") for _, b in media[stage])
+        print(
+            f"worker materialized, {m}: {written / 1e9:.3f} GB = "
+            f"{written / max(unique, 1):.2f}x the shards' unique media ({unique / 1e9:.3f} GB)"
+        )
 
 
 def _check_rows(results: dict[str, Any], modes: list[str]) -> int:
