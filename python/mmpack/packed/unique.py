@@ -98,6 +98,15 @@ class UniqueSegments:
             "into features for every placeholder"
         )
 
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        # A torch function given this in place of a tensor (``torch.cat([pixel_values])``).
+        name = getattr(func, "__name__", repr(func))
+        raise UnadaptedModelError(
+            f"a model passed mmpack's UniqueSegments to torch's {name!r} as if it were a tensor: "
+            "the model was not adapted with mmpack.vision.encode_once(model)"
+        )
+
     def __repr__(self) -> str:
         return (
             f"UniqueSegments({self.num_unique} unique for {self.num_logical} occurrences, "

@@ -21,12 +21,17 @@ __all__ = ["FeatureCache", "weights_stamp"]
 
 def weights_stamp(model: torch.nn.Module) -> tuple[Any, ...]:
     """What must not change while cached features are served: every parameter's and buffer's
-    identity, storage, dtype and in-place version, the train/eval mode and autocast state."""
+    identity, storage, dtype and in-place version, every module's train/eval mode (a tower
+    switched on its own counts) and the autocast state and dtype of each device type.
+
+    Writes through ``param.data`` (which has a version counter of its own) are not seen."""
     tensors = [*model.parameters(), *model.buffers()]
+    autocast = tuple(
+        (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")
+    )
     return (
-        model.training,
-        torch.is_autocast_enabled("cpu"),
-        torch.is_autocast_enabled("cuda"),
+        tuple(m.training for m in model.modules()),
+        autocast,
         tuple((id(t), t.data_ptr(), t.dtype, t._version) for t in tensors),
     )
 
