@@ -4,8 +4,9 @@ within a byte budget.
 Entries are keyed by what decides a feature: the segment's provenance id, its per-segment
 metadata, and the feature call's options. The whole cache is dropped as soon as the model's
 weights may have changed (an optimizer step, a reference model's weights loaded in place, a
-dtype or device move), the model switches between train and eval mode, or autocast changes: a
-cached feature is only ever served for the exact weights it was computed with.
+dtype or device move, a write no version counter sees: see ``weights_stamp``), the model
+switches between train and eval mode, or autocast changes: a cached feature is only served for
+the weights it was computed with.
 """
 
 from __future__ import annotations
@@ -20,20 +21,50 @@ __all__ = ["FeatureCache", "weights_stamp"]
 
 
 def weights_stamp(model: torch.nn.Module) -> tuple[Any, ...]:
-    """What must not change while cached features are served: every parameter's and buffer's
-    identity, storage, dtype and in-place version, every module's train/eval mode (a tower
-    switched on its own counts) and the autocast state and dtype of each device type.
+    """What must not change while cached features are served: every module's train/eval mode
+    (a tower switched on its own counts), the autocast state and dtype of each device type, every
+    parameter's and buffer's identity, storage, dtype and in-place version, and a fingerprint of
+    their contents (the L1 norm of each one's local data).
 
-    Writes through ``param.data`` (which has a version counter of its own) are not seen."""
+    The fingerprint catches writes that no version counter sees: through ``param.data``, or into
+    the local shard of a DTensor parameter (a reference model's weights copied in place, as
+    NeMo-RL swaps them under FSDP2). It reads every weight once (about a millisecond a GB on a
+    current GPU), only in no-grad passes with a cache."""
     tensors = [*model.parameters(), *model.buffers()]
+    local = [_local(t) for t in tensors]
     autocast = tuple(
         (torch.is_autocast_enabled(d), torch.get_autocast_dtype(d)) for d in ("cpu", "cuda")
     )
     return (
         tuple(m.training for m in model.modules()),
         autocast,
-        tuple((id(t), t.data_ptr(), t.dtype, t._version) for t in tensors),
+        tuple(
+            (id(t), t.dtype, u.data_ptr(), t._version, u._version)
+            for t, u in zip(tensors, local, strict=True)
+        ),
+        _fingerprint(local),
     )
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A parameter's own data: a DTensor's local shard, else the tensor."""
+    inner = getattr(t, "_local_tensor", None)
+    return (inner if isinstance(inner, torch.Tensor) else t).detach()
+
+
+def _fingerprint(tensors: list[torch.Tensor]) -> tuple[float, ...]:
+    """Per tensor, the L1 norm in float64: linear in a small update with effectively random
+    signs (its weights' own), so an update changes it unless it is below float64 rounding."""
+    by_device: dict[torch.device, list[torch.Tensor]] = {}
+    for t in tensors:
+        if t.numel():
+            by_device.setdefault(t.device, []).append(t if t.is_floating_point() else t.double())
+    out: list[float] = []
+    with torch.no_grad():
+        for group in by_device.values():
+            norms = torch._foreach_norm(group, 1, dtype=torch.float64)
+            out.extend(torch.stack(list(norms)).cpu().tolist())  # one transfer a device
+    return tuple(out)
 
 
 class FeatureCache:
