@@ -185,11 +185,18 @@ class LinearCrossEntropy(torch.autograd.Function):
     """``cross_entropy(hidden @ weight.T, labels, ignore_index=ignore, reduction="sum")`` with
     its gradients computed in the forward pass, `LOSS_CHUNK` positions at a time in one
     buffer (the same arithmetic as the unfused loss; the demo's test checks it against
-    ``torch.nn.functional.cross_entropy``)."""
+    ``torch.nn.functional.cross_entropy``). With `scale` (``[N]``, no gradient), each
+    position's loss is multiplied by its entry before the sum (a policy-gradient loss weighs
+    each completion token by its row's advantage)."""
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore: int
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        ignore: int,
+        scale: torch.Tensor | None = None,
     ) -> torch.Tensor:
         hidden, weight = hidden.detach(), weight.detach()
         grad_hidden = torch.zeros_like(hidden)
@@ -207,12 +214,17 @@ class LinearCrossEntropy(torch.autograd.Function):
             probs = logits.sub_(top).exp_()  # in place: the buffer now holds exp(logit - top)
             norm = probs.sum(dim=1, keepdim=True)
             lse = (top + norm.log())[:, 0]
-            total += (lse[rows] - target).sum()
-            probs.div_(norm)  # softmax: d loss / d logits, less the one-hot of the target
             keep = torch.zeros(h.shape[0], 1, dtype=probs.dtype)
-            keep[rows] = 1
-            probs.mul_(keep)
+            if scale is None:
+                total += (lse[rows] - target).sum()
+                keep[rows] = 1
+            else:
+                factor = scale[start : start + LOSS_CHUNK][rows].to(probs.dtype)
+                total += (factor * (lse[rows] - target)).sum()
+                keep[rows, 0] = factor
+            probs.div_(norm)  # softmax: d loss / d logits, less the one-hot of the target
             probs[rows, y[rows]] -= 1
+            probs.mul_(keep)
             torch.mm(probs, weight, out=grad_hidden[start : start + LOSS_CHUNK])
             grad_weight.addmm_(probs.T, h)
         ctx.save_for_backward(grad_hidden, grad_weight)
@@ -221,7 +233,7 @@ class LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> Any:  # type: ignore[override]
         grad_hidden, grad_weight = ctx.saved_tensors
-        return grad_hidden * grad, grad_weight * grad, None, None
+        return grad_hidden * grad, grad_weight * grad, None, None, None
 
 
 def _loss_sum(model: Any, hidden: torch.Tensor, labels: torch.Tensor, ignore: int) -> torch.Tensor:

@@ -2,7 +2,8 @@
 with images, a video and an audio clip, the real Energon loader with 2 workers, Qwen2-VL's
 processor and real tokenizer in both mask modes, mmpack's THD micro-batches, and a tiny Qwen2-VL
 trained on them and on padded rows of the same samples: the losses agree, the accounting
-balances."""
+balances; its GRPO step gives the same loss and gradients on logical and on unique media, with
+one vision encode per image."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from mmpack_dev.demos import DEFAULT_PIPELINE, TOY_OPTION, TOY_PIPELINE
+from mmpack_dev.demos import DEFAULT_PIPELINE, TOY_OPTION, TOY_PIPELINE, grpo_step
 from mmpack_dev.demos import train as demo
 from mmpack_dev.tiny_qwen2_vl import LinearCrossEntropy
 
@@ -25,6 +26,7 @@ pytestmark = [
 SHORT = [
     "--samples", "40", "--steps", "2", "--capacity", "160", "--packs-per-step", "1",
     "--buffer", "8", "--words", "3", "--exchanges", "2", "--no-progress",
+    "--grpo-prompts", "2", "--grpo-group", "3",
 ]  # fmt: skip
 
 
@@ -61,6 +63,33 @@ def test_short_run_losses_agree_and_accounting_balances(
     assert "-> balanced" in text and "MISMATCH" not in text
     assert "loss packed == padded on every step: yes" in text
     assert (out / "train-demo.png").stat().st_size > 10_000
+    grpo = summary["grpo"]
+    assert grpo["ok"] and not grpo["problems"], grpo
+    assert (grpo["prompts"], grpo["group"], grpo["rows"]) == (2, 3, 6)
+    assert grpo["loss_diff"] <= grpo_step.TOLERANCE
+    assert grpo["max_grad_diff"] <= grpo_step.TOLERANCE
+    assert grpo["parameters"] > grpo["vision_parameters"] > 0  # the vision tower is compared
+    logical, unique = grpo["logical"], grpo["unique"]
+    # every row's copy encoded vs each prompt's image once, as the vision tower saw them
+    assert (logical["encodes"], unique["encodes"]) == (6, 2)
+    assert (logical["tower_images"], unique["tower_images"]) == (6, 2)
+    assert logical["tower_patches"] == 3 * unique["tower_patches"]
+    assert logical["seconds"] > 0 and unique["seconds"] > 0
+    assert "| GRPO step (2 prompts x G=3) |" in text
+    assert "| logical | as_tensor() |" in text and "| unique | unique_segments() |" in text
+    assert "loss and gradients logical == unique: yes" in text
+
+
+def test_the_grpo_step_fails_beyond_its_tolerance(monkeypatch: pytest.MonkeyPatch) -> None:
+    from mmpack_dev.tiny_qwen2_vl import build_processor
+
+    args = demo.build_parser().parse_args([*SHORT, "--grpo-group", "2"])
+    monkeypatch.setattr(grpo_step, "TOLERANCE", -1.0)  # no difference passes: both checks fail
+    result = grpo_step.run_step(build_processor(), args)
+    assert not result.ok
+    assert any(p.startswith("loss differs") for p in result.problems), result.problems
+    assert any(p.startswith("gradients differ") for p in result.problems), result.problems
+    assert "FAIL" in grpo_step.verdict(result)
 
 
 def test_the_dataset_holds_every_media_kind(tmp_path: Path) -> None:
@@ -120,6 +149,27 @@ def test_fused_loss_equals_cross_entropy() -> None:
         hidden @ weight.T, labels, ignore_index=-100, reduction="sum"
     )
     (0.5 * plain).backward()
+    assert abs(float(fused.detach()) - float(plain.detach())) < 1e-9
+    assert torch.allclose(grads[0], hidden.grad, atol=1e-12)
+    assert torch.allclose(grads[1], weight.grad, atol=1e-12)
+
+
+def test_fused_loss_with_a_scale_equals_weighted_cross_entropy() -> None:
+    torch.manual_seed(0)
+    weight = (0.1 * torch.randn(1000, 8, dtype=torch.float64)).requires_grad_()
+    hidden = torch.randn(300, 8, dtype=torch.float64, requires_grad=True)
+    labels = torch.randint(0, 1000, (300,))
+    labels[::5] = -100
+    scale = torch.randn(300, dtype=torch.float64)  # advantages: either sign
+    fused = LinearCrossEntropy.apply(hidden, weight, labels, -100, scale)
+    fused.backward()
+    grads = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    per_position = torch.nn.functional.cross_entropy(
+        hidden @ weight.T, labels, ignore_index=-100, reduction="none"
+    )
+    plain = (scale * per_position).sum()
+    plain.backward()
     assert abs(float(fused.detach()) - float(plain.detach())) < 1e-9
     assert torch.allclose(grads[0], hidden.grad, atol=1e-12)
     assert torch.allclose(grads[1], weight.grad, atol=1e-12)

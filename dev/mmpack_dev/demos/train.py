@@ -15,9 +15,13 @@ order, from the same initial weights, with the same optimizer.
    seed on the same samples as padded rows (`mmpack.batch.pad_samples`), and compares the
    per-step losses (float64; each loss is the sum over the trained predictions divided by
    their count);
-4. prints the report (loss agreement, training tokens/s and samples/s packed vs padded with
+4. runs one GRPO step on the same tiny Qwen2-VL (`mmpack_dev.demos.grpo_step`: prompts with
+   an image each, G completions per prompt, NeMo-RL's media layout) twice from identical
+   weights, logical media and `mmpack.vision.encode_once` with unique media, and compares
+   loss, gradients, vision-tower encodes and seconds;
+5. prints the report (loss agreement, training tokens/s and samples/s packed vs padded with
    the token fill that explains them, the loader's samples/s, mmpack's own time per sample,
-   the sample accounting, media dedup) and writes it as a PNG.
+   the sample accounting, media dedup, the GRPO step) and writes it as a PNG.
 
 The loader-only comparison of earlier versions (packing vs no packing, and the plain-Python
 reference with ``--compare-with``) is ``demo --toy``.
@@ -38,6 +42,8 @@ import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from mmpack_dev.demos import grpo_step
 
 DEFAULT_WORK = "mmpack-work"
 MASK_MODES = {"roles": None, "precomputed": "precomputed"}
@@ -148,6 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--hidden", type=int, default=16, help="model width (default 16)")
     p.add_argument("--layers", type=int, default=1, help="decoder layers (default 1)")
     p.add_argument("--lr", type=float, default=2e-3, help="AdamW learning rate (default 2e-3)")
+    grpo_step.add_arguments(p)
     p.add_argument(
         "--tolerance",
         type=float,
@@ -497,13 +504,14 @@ def loader_table(runs: list[ModeRun], args: argparse.Namespace) -> str:
     return "\n".join(out)
 
 
-def plot(path: Path, runs: list[ModeRun]) -> None:
+def plot(path: Path, runs: list[ModeRun], grpo: grpo_step.GrpoResult) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.5))
+    fig, grid = plt.subplots(2, 2, figsize=(15, 9))
+    axes = grid.ravel()
     ax = axes[0]
     for run, color in zip(runs, ("#2a7", "#c84", "#58c"), strict=False):
         x = range(1, len(run.packed.steps) + 1)
@@ -536,6 +544,7 @@ def plot(path: Path, runs: list[ModeRun]) -> None:
     axes[2].set_xlabel("samples (log scale)")
     axes[2].set_title(f"Accounting ({run.mode}): {sum(parts.values())} in")
     axes[2].tick_params(axis="y", labelsize=8)
+    grpo_step.plot_panel(axes[3], grpo)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -582,6 +591,9 @@ def main(argv: list[str]) -> int:
             file=sys.stderr,
         )
         return 2
+    if args.grpo_prompts < 1 or args.grpo_group < 2:
+        print("error: --grpo-prompts >= 1 and --grpo-group >= 2 are required", file=sys.stderr)
+        return 2
     import torch
 
     warnings.filterwarnings("ignore", message=".*pin_memory.*")
@@ -597,6 +609,11 @@ def main(argv: list[str]) -> int:
         dataset_s = time.perf_counter() - t0
         _describe(ds, dataset_s)
         runs = [run_mode(ds, mode, args, log) for mode in modes]
+    from mmpack_dev.tiny_qwen2_vl import build_processor
+
+    t0 = time.perf_counter()
+    grpo = grpo_step.run_step(build_processor(), args)
+    grpo_s = time.perf_counter() - t0
 
     print()
     print(
@@ -608,6 +625,8 @@ def main(argv: list[str]) -> int:
     print(report_table(runs, args))
     print()
     print(loader_table(runs, args))
+    print()
+    print(grpo_step.table(grpo))
     print()
     ok = True
     for run in runs:
@@ -630,16 +649,19 @@ def main(argv: list[str]) -> int:
         f"the trained micro-batches {run.logical_media_bytes / 1e6:.2f} MB logical / "
         f"{run.physical_media_bytes / 1e6:.2f} MB physical (dedup {run.dedup_ratio:.2f}x)"
     )
+    print(grpo_step.verdict(grpo))
+    ok = ok and grpo.ok
     if not args.no_plot:
         png = work / "train-demo.png"
-        plot(png, runs)
+        plot(png, runs, grpo)
         print(f"plot: {png}")
     print(f"loader log (per-sample errors): {log_path}")
     loader_s = sum(r.loader_seconds for r in runs)
     train_s = sum(r.packed.seconds + r.padded.seconds for r in runs)
     print(
         f"wall time: dataset {dataset_s:.0f} s, loader {loader_s:.0f} s, training steps "
-        f"{train_s:.0f} s; whole run {time.perf_counter() - started:.0f} s"
+        f"{train_s:.0f} s, GRPO step {grpo_s:.0f} s; whole run "
+        f"{time.perf_counter() - started:.0f} s"
     )
     if args.json:
         summary = {
@@ -665,7 +687,14 @@ def main(argv: list[str]) -> int:
                 }
                 for r in runs
             },
+            "grpo": grpo_step.summary(grpo),
         }
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(summary, indent=2))
+    if not grpo.ok:
+        print(
+            "error: the GRPO step, logical vs unique media (tolerance "
+            f"{grpo_step.TOLERANCE:.0e}): {'; '.join(grpo.problems)}",
+            file=sys.stderr,
+        )
     return 0 if ok else 1
