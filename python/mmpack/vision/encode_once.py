@@ -281,4 +281,5 @@ def _cache_key(
 def _pooled(features: list[torch.Tensor]) -> Any:
     from transformers.modeling_outputs import BaseModelOutputWithPooling
 
-    return BaseModelOutputWithPooling(pooler_output=tuple(features))
+    # declared a tensor; the VLMs' own get_*_features put one tensor per image there, as here
+    return BaseModelOutputWithPooling(pooler_output=tuple(features))  # type: ignore[arg-type]
