@@ -1,33 +1,50 @@
 """The vision tower on unique media vs on every row's copy: Qwen2-VL built from configs, side by
 side in one run.
 
-For micro-batches that hold G rows of one prompt (and 2 prompts x G/2), the same model runs
-twice on the same rows: the logical path (media from ``PackedTensor.as_tensor()``, what every
-HF VLM reads today) and an ``mmpack.vision.encode_once`` copy fed
-``PackedTensor.unique_segments()``. Per case and pass (forward under ``no_grad``; forward +
-backward): the images the tower encodes (counted by a hook on the tower, and by
-``encode_stats``), the tower's forward seconds (hooks; synchronized on CUDA), the whole call's
-seconds (median of the repeats after a warm-up) and, on CUDA, the peak memory allocated. The
-bench asserts that logits and loss agree between the paths before it reports any time.
+For micro-batches that hold G rows of one prompt (and 2 prompts x G/2 rows), the same model runs
+on the same rows twice: the logical path (media from ``PackedTensor.as_tensor()``, what every HF
+VLM reads today) and an ``mmpack.vision.encode_once`` copy fed
+``PackedTensor.unique_segments()``. Each path of each case runs in a fresh subprocess, built from
+the same seed, first forward only (under ``no_grad``), then forward + backward (cross-entropy
+over the logits). Per case and pass:
 
-Towers: ``tiny`` (width 32, depth 1, 8 x 8 patches of 2 pixels), ``small`` (width 256, depth
-4, 16 x 16 patches of 14), ``realistic`` (Qwen2-VL-2B's width: 1280, 16 heads, MLP ratio 4,
-``--depth`` blocks, 28 x 28 patches of 14; meant for a GPU). The LLM is small (width 128, one
-layer) so that the tower's share shows.
+* encodes: the images the vision tower encodes per call (a hook on ``model.model.visual``; on
+  the unique path also ``encode_stats``, which must agree);
+* tower s: the tower's own seconds per call: its forward (forward hooks) plus, in the backward
+  pass, its backward (from the gradient of its output to the last gradient accumulated into its
+  parameters; on the CPU autograd runs the tower's nodes together, nothing else in between);
+* call s: the whole call (model forward, loss, backward), median of the repeats after a warm-up;
+  media are materialized before the clock starts;
+* peak MiB: on the CPU the process's peak resident memory (``VmHWM``) minus its resident memory
+  after setup (model and batch built), read after each pass; the forward-only pass runs first,
+  so the second figure is the high-water mark of both, which the backward pass sets. On CUDA,
+  ``max_memory_allocated`` minus the memory allocated after setup.
 
-Usage: ``python benches/bench_vision.py [--tower tiny --tower small] [--device cuda]
-[--dtype bfloat16] [--quick] [--out FILE.json]``.
+Before any figure is reported the parent asserts that logits and loss agree between the paths in
+both passes, and that every parameter's gradient norm agrees after the backward.
+
+Towers: ``tiny`` (width 32, depth 1, 8 x 8 patches of 2 pixels), ``small`` (width 256, depth 6,
+16 x 16 patches of 14 pixels: a 224 x 224 image), ``realistic`` (Qwen2-VL-2B's tower width 1280,
+16 heads, ``--depth`` blocks, 28 x 28 patches of 14; meant for a GPU). The LLM is small (width
+128, one layer, 1,024-token vocabulary) so that the tower's share shows.
+
+    python benches/bench_vision.py            # tiny and small towers, G = 8 and 16, CPU
+    python benches/bench_vision.py --quick    # tiny tower, G = 4, one repeat (seconds)
+    python benches/bench_vision.py --tower realistic --device cuda --dtype bfloat16
 """
 
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import platform
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -36,10 +53,14 @@ VOCAB, IMAGE, VIDEO, VISION_START, VISION_END = 1024, 1000, 1001, 1002, 1003
 #: (width, depth, heads, patch size, patches per side of an image)
 TOWERS = {
     "tiny": (32, 1, 2, 2, 8),
-    "small": (256, 4, 4, 14, 16),
+    "small": (384, 8, 6, 14, 16),
     "realistic": (1280, 8, 16, 14, 28),
 }
 TEXT_TOKENS = 48  # each row's completion
+PASSES = ("forward", "forward + backward")
+
+
+# ------------------------------------------------------------------------------ model and rows
 
 
 def build_model(tower: str, depth: int | None, device: str, dtype: torch.dtype) -> Any:
@@ -98,58 +119,94 @@ def make_batch(tower: str, prompts: int, group: int, dtype: torch.dtype) -> dict
         for g in range(group):
             completion = torch.randint(3, IMAGE, (TEXT_TOKENS,), generator=gen).tolist()
             ids.append([3 + p, VISION_START, *[IMAGE] * tokens, VISION_END, *completion, 4 + g])
-    input_ids = torch.tensor(ids)
     return {
-        "input_ids": input_ids,
+        "input_ids": torch.tensor(ids),
         "pixel_values": PackedTensor([p.to(dtype) for p in pixels], dim_to_pack=0)
         .enable_deduplication()
         .repeat_interleave(group),
         "image_grid_thw": PackedTensor([grid] * prompts, dim_to_pack=0)
         .enable_deduplication()
         .repeat_interleave(group),
-        "images": prompts * group,
-        "unique_images": prompts,
     }
 
 
+# ------------------------------------------------------------------------------ measuring
+
+
 class TowerMeter:
-    """Images and forward seconds of the model's vision tower, by hooks."""
+    """Images and seconds of the model's vision tower per call, by hooks: forward hooks on the
+    tower; for its backward, a hook on the gradient of its output (the tower's backward starts)
+    and hooks on the gradients accumulated into its parameters (the last one ends it)."""
 
     def __init__(self, model: Any, device: str) -> None:
         self.device = device
-        self.images = 0
-        self.seconds = 0.0
-        self._start = 0.0
         visual = model.model.visual
         visual.register_forward_pre_hook(self._pre, with_kwargs=True)
         visual.register_forward_hook(self._post)
+        for p in visual.parameters():
+            p.register_post_accumulate_grad_hook(self._accumulated)
+        self.reset()
 
-    def _sync(self) -> None:
+    def reset(self) -> None:
+        self.images, self.forward_s = 0, 0.0
+        self._start = self._backward_start = self._backward_end = None
+
+    @property
+    def seconds(self) -> float:
+        backward = 0.0
+        if self._backward_start is not None and self._backward_end is not None:
+            backward = self._backward_end - self._backward_start
+        return self.forward_s + backward
+
+    def _now(self) -> float:
         if self.device == "cuda":
             torch.cuda.synchronize()
+        return time.perf_counter()
 
     def _pre(self, module: Any, args: Any, kwargs: Any) -> None:
         grid = kwargs.get("grid_thw", args[1] if len(args) > 1 else None)
         self.images += 0 if grid is None else int(grid.shape[0])
-        self._sync()
-        self._start = time.perf_counter()
+        self._start = self._now()
 
     def _post(self, module: Any, args: Any, output: Any) -> None:
-        self._sync()
-        self.seconds += time.perf_counter() - self._start
+        assert self._start is not None
+        self.forward_s += self._now() - self._start
+        merged = getattr(output, "pooler_output", output)
+        if isinstance(merged, torch.Tensor) and merged.requires_grad:
+            merged.register_hook(self._gradient_out)
 
-    def reset(self) -> None:
-        self.images, self.seconds = 0, 0.0
+    def _gradient_out(self, grad: torch.Tensor) -> None:
+        self._backward_start = self._now()
+
+    def _accumulated(self, param: torch.Tensor) -> None:
+        self._backward_end = self._now()
 
 
-def run_once(model: Any, batch: dict[str, Any], unique: bool, backward: bool, device: str) -> Any:
-    ids = batch["input_ids"].to(device)
-    if unique:
-        media = {k: batch[k].unique_segments(device) for k in ("pixel_values", "image_grid_thw")}
-    else:
-        media = {k: batch[k].as_tensor(device) for k in ("pixel_values", "image_grid_thw")}
-    kwargs = {"attention_mask": torch.ones_like(ids), "mm_token_type_ids": (ids == IMAGE).long()}
+def _status_mib(field: str) -> float:
+    """``VmRSS`` / ``VmHWM`` of this process in MiB (Linux), or ``ru_maxrss`` elsewhere."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _memory_mib(device: str, peak: bool) -> float:
+    if device == "cuda":
+        return (
+            torch.cuda.max_memory_allocated() if peak else torch.cuda.memory_allocated()
+        ) / 2**20
+    return _status_mib("VmHWM" if peak else "VmRSS")
+
+
+def call(model: Any, ids: torch.Tensor, media: dict[str, Any], backward: bool) -> Any:
+    """One model call on the rows: forward, cross-entropy over the logits, backward."""
     model.zero_grad(set_to_none=True)
+    kwargs = {"attention_mask": torch.ones_like(ids), "mm_token_type_ids": (ids == IMAGE).long()}
     with torch.set_grad_enabled(backward):
         logits = model(input_ids=ids, use_cache=False, **kwargs, **media).logits
         loss = torch.nn.functional.cross_entropy(
@@ -160,166 +217,237 @@ def run_once(model: Any, batch: dict[str, Any], unique: bool, backward: bool, de
     return logits.detach().float(), loss.detach().float()
 
 
-def tower_step(model: Any, batch: dict[str, Any], unique: bool, device: str) -> None:
-    """The tower alone, forward + backward, as each path runs it: the logical path encodes every
-    row's copy; the unique path encodes each image once and repeats the features by index (what
-    ``encode_once`` does), so backward sums every occurrence's gradient into the one encode."""
-    visual = model.model.visual
-    if unique:
-        pixels = batch["pixel_values"].unique_segments(device)
-        grids = batch["image_grid_thw"].unique_segments(device)
-        out = visual(pixels.values, grid_thw=grids.values).pooler_output
-        per_image = out.reshape(grids.num_unique, -1, out.shape[-1])
-        features = per_image.index_select(0, pixels.index)
-    else:
-        pixels_t = batch["pixel_values"].as_tensor(device)
-        grids_t = batch["image_grid_thw"].as_tensor(device)
-        features = visual(pixels_t, grid_thw=grids_t).pooler_output
-    model.zero_grad(set_to_none=True)
-    features.float().square().mean().backward()
-
-
-def timed(fn: Any, repeats: int, device: str) -> float:
-    fn()  # warm-up
-    times = []
-    for _ in range(repeats):
-        if device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        fn()
-        if device == "cuda":
-            torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def measure(
-    model: Any, meter: TowerMeter, batch: dict[str, Any], unique: bool, backward: bool, args: Any
-) -> dict[str, Any]:
-    run_once(model, batch, unique, backward, args.device)  # warm-up
-    totals, towers, images = [], [], 0
-    if args.device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    for _ in range(args.repeats):
-        meter.reset()
-        if args.device == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        logits, loss = run_once(model, batch, unique, backward, args.device)
-        if args.device == "cuda":
-            torch.cuda.synchronize()
-        totals.append(time.perf_counter() - start)
-        towers.append(meter.seconds)
-        images = meter.images
-    peak = torch.cuda.max_memory_allocated() / 2**20 if args.device == "cuda" else None
-    return {
-        "seconds": statistics.median(totals),
-        "tower_seconds": statistics.median(towers),
-        "images": images,
-        "peak_mib": peak,
-        "logits": logits,
-        "loss": loss,
-    }
-
-
-def bench_case(tower: str, prompts: int, group: int, args: Any) -> list[dict[str, Any]]:
+def child(spec: dict[str, Any]) -> dict[str, Any]:
+    """One path of one case, in this (fresh) process: both passes; saves logits, loss and
+    gradient norms to ``spec["tensors"]`` for the parent's comparison."""
     from mmpack.vision import encode_once, encode_stats
 
-    dtype = getattr(torch, args.dtype)
-    logical = build_model(tower, args.depth, args.device, dtype)
-    adapted = encode_once(copy.deepcopy(logical))
-    meters = (TowerMeter(logical, args.device), TowerMeter(adapted, args.device))
-    batch = make_batch(tower, prompts, group, dtype)
-    tol = 1e-4 if dtype == torch.float32 else 5e-2
-    rows = []
-    tower_step_s = tuple(
-        timed(lambda u=u: tower_step(logical, batch, u, args.device), args.repeats, args.device)
-        for u in (False, True)
+    device, dtype, unique = spec["device"], getattr(torch, spec["dtype"]), spec["unique"]
+    if spec["threads"]:
+        torch.set_num_threads(spec["threads"])
+    model = build_model(spec["tower"], spec["depth"], device, dtype)
+    if unique:
+        encode_once(model)
+    meter = TowerMeter(model, device)
+    batch = make_batch(spec["tower"], spec["prompts"], spec["group"], dtype)
+    ids = batch["input_ids"].to(device)
+    keys = ("pixel_values", "image_grid_thw")
+    base = _memory_mib(device, peak=False)
+    result: dict[str, Any] = {"setup_mib": base}
+    saved: dict[str, Any] = {}
+    for backward, name in zip((False, True), PASSES, strict=True):
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        encoded = encode_stats(model).encoded if unique else 0
+        totals, towers, images = [], [], set()
+        for i in range(1 + spec["repeats"]):  # the first is a warm-up
+            if unique:
+                media = {k: batch[k].unique_segments(device) for k in keys}
+            else:
+                media = {k: batch[k].as_tensor(device) for k in keys}
+            meter.reset()
+            start = meter._now()
+            logits, loss = call(model, ids, media, backward)
+            seconds = meter._now() - start
+            if i:
+                totals.append(seconds)
+                towers.append(meter.seconds)
+            images.add(meter.images)
+            del media
+        assert len(images) == 1, images
+        result[name] = {
+            "call_s": statistics.median(totals),
+            "tower_s": statistics.median(towers),
+            "encodes": images.pop(),
+            "encode_stats": (encode_stats(model).encoded - encoded) / (1 + spec["repeats"])
+            if unique
+            else None,
+            "peak_mib": _memory_mib(device, peak=True) - base,
+        }
+        saved[name] = {"logits": logits.cpu(), "loss": loss.cpu()}
+        if backward:
+            saved[name]["grads"] = {
+                n: p.grad.double().norm().item()
+                for n, p in model.named_parameters()
+                if p.grad is not None
+            }
+    torch.save(saved, spec["tensors"])
+    return result
+
+
+def run_child(spec: dict[str, Any]) -> dict[str, Any]:
+    """``child(spec)`` in a fresh interpreter; its JSON result."""
+    proc = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+        check=False,
     )
-    for backward in (False, True):
-        before = encode_stats(adapted).encoded
-        a = measure(logical, meters[0], batch, False, backward, args)
-        b = measure(adapted, meters[1], batch, True, backward, args)
-        scale = a["logits"].abs().max().item() + 1e-12
-        diff = (a["logits"] - b["logits"]).abs().max().item() / scale
-        assert diff <= tol, f"{tower} {prompts}x{group}: logits differ by {diff:.2e} (relative)"
-        assert abs(a["loss"].item() - b["loss"].item()) <= tol * max(1.0, abs(a["loss"].item()))
-        assert a["images"] == batch["images"] and b["images"] == batch["unique_images"]
-        calls = (1 + args.repeats) * batch["unique_images"]
-        assert encode_stats(adapted).encoded - before == calls
+    if proc.returncode != 0:
+        raise RuntimeError(f"{spec} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def check_agree(a: dict[str, Any], b: dict[str, Any], tol: float, label: str) -> float:
+    """Assert that the two paths' logits, loss and gradient norms agree; the logits' largest
+    difference relative to their largest magnitude."""
+    scale = a["logits"].abs().max().item() + 1e-12
+    diff = (a["logits"] - b["logits"]).abs().max().item() / scale
+    assert diff <= tol, f"{label}: logits differ by {diff:.2e} (relative)"
+    la, lb = a["loss"].item(), b["loss"].item()
+    assert abs(la - lb) <= tol * max(1.0, abs(la)), f"{label}: loss {la} vs {lb}"
+    if "grads" in a:
+        assert a["grads"].keys() == b["grads"].keys(), f"{label}: different parameters got grads"
+        for n, ga in a["grads"].items():
+            gb = b["grads"][n]
+            assert abs(ga - gb) <= 10 * tol * max(ga, 1e-6), f"{label}: grad of {n}: {ga} vs {gb}"
+    return diff
+
+
+def case_specs(tower: str, prompts: int, group: int, args: Any, tmp: str) -> list[dict[str, Any]]:
+    """The two paths of a case, logical then unique, as child specs."""
+    return [
+        {
+            "tower": tower,
+            "depth": args.depth,
+            "prompts": prompts,
+            "group": group,
+            "unique": unique,
+            "repeats": args.repeats,
+            "device": args.device,
+            "dtype": args.dtype,
+            "threads": args.threads,
+            "tensors": f"{tmp}/{tower}-{prompts}x{group}-{'unique' if unique else 'logical'}.pt",
+        }
+        for unique in (False, True)
+    ]
+
+
+def rows_of(specs: list[dict[str, Any]], results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Check the two paths of a case against each other; one table row per pass."""
+    spec = specs[0]
+    label = f"{spec['tower']} {spec['prompts']} x {spec['group']}"
+    tol = 1e-4 if spec["dtype"] == "float32" else 5e-2
+    tensors = [torch.load(s["tensors"]) for s in specs]
+    logical, unique = results
+    rows = []
+    for name in PASSES:
+        diff = check_agree(tensors[0][name], tensors[1][name], tol, f"{label}, {name}")
+        a, b = logical[name], unique[name]
+        images, unique_images = spec["prompts"] * spec["group"], spec["prompts"]
+        assert a["encodes"] == images, f"{label}: logical path encoded {a['encodes']}"
+        assert b["encodes"] == unique_images, f"{label}: unique path encoded {b['encodes']}"
+        assert b["encode_stats"] == unique_images, f"{label}: encode_stats {b['encode_stats']}"
         rows.append(
             {
-                "tower": tower,
-                "rows": f"{prompts} x {group}",
-                "pass": "forward + backward" if backward else "forward",
-                "encodes": (a["images"], b["images"]),
-                "tower_s": (a["tower_seconds"], b["tower_seconds"]),
-                "tower_step_s": tower_step_s,
-                "total_s": (a["seconds"], b["seconds"]),
+                "tower": spec["tower"],
+                "rows": f"{spec['prompts']} x {spec['group']}",
+                "pass": name,
+                "encodes": (a["encodes"], b["encodes"]),
+                "tower_s": (a["tower_s"], b["tower_s"]),
+                "call_s": (a["call_s"], b["call_s"]),
                 "peak_mib": (a["peak_mib"], b["peak_mib"]),
+                "setup_mib": (logical["setup_mib"], unique["setup_mib"]),
                 "logit_diff": diff,
             }
         )
     return rows
 
 
+# ------------------------------------------------------------------------------ report
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.1f}x" if b > 0 else "n/a"
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     out = [
         "| tower | rows | pass | encodes logical / unique | tower s logical / unique | x | "
-        "call s logical / unique | x | peak MiB logical / unique |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+        "call s logical / unique | x | peak MiB logical / unique | x |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
-        # forward: the tower's forward in the model call; forward + backward: the tower alone
-        tower = r["tower_step_s"] if r["pass"] == "forward + backward" else r["tower_s"]
         (el, eu), (tl, tu), (cl, cu), (pl, pu) = (
             r["encodes"],
-            tower,
-            r["total_s"],
+            r["tower_s"],
+            r["call_s"],
             r["peak_mib"],
         )
-        peak = "n/a (CPU)" if pl is None else f"{pl:,.0f} / {pu:,.0f}"
         out.append(
             f"| {r['tower']} | {r['rows']} | {r['pass']} | {el} / {eu} | {tl:.4f} / {tu:.4f} "
-            f"| {tl / max(tu, 1e-9):.1f}x | {cl:.4f} / {cu:.4f} | {cl / max(cu, 1e-9):.1f}x "
-            f"| {peak} |"
+            f"| **{_ratio(tl, tu)}** | {cl:.4f} / {cu:.4f} | {_ratio(cl, cu)} "
+            f"| {pl:,.1f} / {pu:,.1f} | {_ratio(pl, pu)} |"
         )
     return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--tower", action="append", choices=sorted(TOWERS))
     ap.add_argument("--depth", type=int, default=None, help="vision blocks (default per tower)")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--groups", default="8,16", help="G values, comma-separated")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=3, help="timed calls per pass (median)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--jobs", type=int, default=1, help="cases run at once (timings need 1)")
     ap.add_argument("--quick", action="store_true", help="tiny tower, G = 4, one repeat")
-    ap.add_argument("--out", default=None, help="write the rows as JSON here")
+    ap.add_argument("--out", default="bench-results/bench_vision.json")
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.child is not None:
+        print(json.dumps(child(json.loads(args.child))))
+        return 0
     towers = args.tower or ["tiny", "small"]
     groups = [int(g) for g in args.groups.split(",")]
     if args.quick:
-        towers, groups, args.repeats = ["tiny"], [4], 1
-    torch.set_num_threads(max(1, torch.get_num_threads()))
-    device = torch.cuda.get_device_name() if args.device == "cuda" else platform.processor()
+        towers, groups, args.repeats, args.jobs = ["tiny"], [4], 1, max(args.jobs, 4)
+    if args.device == "cuda":
+        machine, memory = torch.cuda.get_device_name(), "CUDA max_memory_allocated above setup"
+    else:
+        machine = platform.processor() or platform.machine()
+        memory = "peak RSS (VmHWM) above RSS after setup, each path of each case in its own process"
+    threads = args.threads or torch.get_num_threads()
     print(
-        f"# vision bench: {device or platform.machine()}, {args.dtype}, torch {torch.__version__}"
+        f"# bench_vision: {machine}, {args.device}, {threads} threads, {args.dtype}, "
+        f"torch {torch.__version__}; memory: {memory}\n",
+        flush=True,
     )
-    rows = []
-    for tower in towers:
-        for group in groups:
-            rows += bench_case(tower, 1, group, args)
-            rows += bench_case(tower, 2, group // 2, args)
+    cases = [
+        (tower, prompts, group // prompts)
+        for tower in towers
+        for group in groups
+        for prompts in (1, 2)
+        if group % prompts == 0
+    ]
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(args.jobs) as pool:
+        specs = [case_specs(*case, args, tmp) for case in cases]
+        results = list(pool.map(run_child, [s for pair in specs for s in pair]))
+        rows = [
+            row for i, pair in enumerate(specs) for row in rows_of(pair, results[2 * i : 2 * i + 2])
+        ]
+    seconds = time.perf_counter() - start
     print(table(rows))
     print(
-        "tower s: forward rows time the tower inside the model call; forward + backward rows "
-        "time the tower alone (its features' backward included), both paths the same way"
+        f"\ntower s: the tower's forward, plus its backward in the backward pass; call s: the "
+        f"whole call; x: logical / unique. {len(cases)} cases in {seconds:.0f} s."
     )
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump([{k: v for k, v in r.items()} for r in rows], f, indent=1)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    report = {
+        "quick": args.quick,
+        "machine": machine,
+        "device": args.device,
+        "dtype": args.dtype,
+        "threads": threads,
+        "repeats": args.repeats,
+        "memory": memory,
+        "seconds": seconds,
+        "rows": rows,
+    }
+    Path(args.out).write_text(json.dumps(report, indent=1))
     return 0
 
 
