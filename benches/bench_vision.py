@@ -3,30 +3,32 @@ side in one run.
 
 For micro-batches that hold G rows of one prompt (and 2 prompts x G/2 rows), the same model runs
 on the same rows twice: the logical path (media from ``PackedTensor.as_tensor()``, what every HF
-VLM reads today) and an ``mmpack.vision.encode_once`` copy fed
-``PackedTensor.unique_segments()``. Each path of each case runs in a fresh subprocess, built from
-the same seed, first forward only (under ``no_grad``), then forward + backward (cross-entropy
-over the logits). Per case and pass:
+VLM reads today) and an ``mmpack.vision.encode_once`` deep copy fed
+``PackedTensor.unique_segments()``. Each path runs first forward only (under ``no_grad``), then
+forward + backward (cross-entropy over the logits). Per case and pass:
 
 * encodes: the images the vision tower encodes per call (a hook on ``model.model.visual``; on
   the unique path also ``encode_stats``, which must agree);
 * tower s: the tower's own seconds per call: its forward (forward hooks) plus, in the backward
   pass, its backward (from the gradient of its output to the last gradient accumulated into its
-  parameters; on the CPU autograd runs the tower's nodes together, nothing else in between);
+  parameters); on CUDA every clock reading synchronizes;
 * call s: the whole call (model forward, loss, backward), median of the repeats after a warm-up;
   media are materialized before the clock starts;
-* peak MiB: on the CPU the process's peak resident memory (``VmHWM``) minus its resident memory
-  after setup (model and batch built), read after each pass; the forward-only pass runs first,
-  so the second figure is the high-water mark of both, which the backward pass sets. On CUDA,
-  ``max_memory_allocated`` minus the memory allocated after setup.
+* peak MiB: on CUDA, ``max_memory_allocated`` (reset per pass) minus the memory allocated after
+  setup (model and batch built). On the CPU each path of each case runs in its own forked process
+  (which starts its own high-water mark) and the figure is its peak resident memory (``VmHWM``)
+  minus its resident memory after setup, read after each pass; the forward-only pass runs first,
+  so the second figure is the high-water mark of both, which the backward pass sets.
 
-Before any figure is reported the parent asserts that logits and loss agree between the paths in
-both passes, and that every parameter's gradient norm agrees after the backward.
+Before any figure is reported the bench asserts that logits and loss agree between the paths in
+both passes (relative 1e-4 in float32, 5e-2 in bfloat16), and that every parameter's gradient
+norm agrees after the backward.
 
-Towers: ``tiny`` (width 32, depth 1, 8 x 8 patches of 2 pixels), ``small`` (width 256, depth 6,
-16 x 16 patches of 14 pixels: a 224 x 224 image), ``realistic`` (Qwen2-VL-2B's tower width 1280,
-16 heads, ``--depth`` blocks, 28 x 28 patches of 14; meant for a GPU). The LLM is small (width
-128, one layer, 1,024-token vocabulary) so that the tower's share shows.
+Towers: ``tiny`` (width 32, depth 1, 8 x 8 patches of 2 pixels), ``small`` (width 256, depth 4,
+4 heads, 16 x 16 patches of 14 pixels: a 224 x 224 image), ``realistic`` (Qwen2-VL-2B's tower
+width 1280, 16 heads, MLP ratio 4, ``--depth`` blocks (8), 28 x 28 patches of 14: a 392 x 392
+image; meant for a GPU). ``--side`` sets the patches per image side of every tower. The LLM is
+small (width 128, one layer, 1,024-token vocabulary) so that the tower's share shows.
 
     python benches/bench_vision.py            # tiny and small towers, G = 8 and 16, CPU
     python benches/bench_vision.py --quick    # tiny tower, G = 4, one repeat (seconds)
@@ -37,13 +39,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
+import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -53,7 +55,7 @@ VOCAB, IMAGE, VIDEO, VISION_START, VISION_END = 1024, 1000, 1001, 1002, 1003
 #: (width, depth, heads, patch size, patches per side of an image)
 TOWERS = {
     "tiny": (32, 1, 2, 2, 8),
-    "small": (384, 8, 6, 14, 16),
+    "small": (256, 4, 4, 14, 16),
     "realistic": (1280, 8, 16, 14, 28),
 }
 TEXT_TOKENS = 48  # each row's completion
@@ -99,15 +101,21 @@ def build_model(tower: str, depth: int | None, device: str, dtype: torch.dtype) 
         vision_end_token_id=VISION_END,
     )
     torch.manual_seed(0)
-    return Qwen2VLForConditionalGeneration(config).to(device=device, dtype=dtype).eval()
+    with torch.device(device):  # initialized where it runs (the same weights for both paths)
+        model = Qwen2VLForConditionalGeneration(config)
+    return model.to(dtype=dtype).eval()
 
 
-def make_batch(tower: str, prompts: int, group: int, dtype: torch.dtype) -> dict[str, Any]:
-    """``prompts`` prompts of one image each, ``group`` rows per prompt, as NeMo-RL builds them:
-    one dedup-enabled row per prompt, then ``repeat_interleave``."""
+def make_batch(
+    tower: str, side: int | None, prompts: int, group: int, dtype: torch.dtype
+) -> dict[str, Any]:
+    """``prompts`` prompts of one image each (``side`` x ``side`` patches), ``group`` rows per
+    prompt, as NeMo-RL builds them: one dedup-enabled row per prompt, then
+    ``repeat_interleave``."""
     from mmpack.packed import PackedTensor
 
-    _, _, _, patch, side = TOWERS[tower]
+    _, _, _, patch, default_side = TOWERS[tower]
+    side = side or default_side
     gen = torch.Generator().manual_seed(1)
     grid = torch.tensor([[1, side, side]])
     pixels = [
@@ -195,6 +203,16 @@ def _status_mib(field: str) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} CPUs)"
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def _memory_mib(device: str, peak: bool) -> float:
     if device == "cuda":
         return (
@@ -217,21 +235,28 @@ def call(model: Any, ids: torch.Tensor, media: dict[str, Any], backward: bool) -
     return logits.detach().float(), loss.detach().float()
 
 
-def child(spec: dict[str, Any]) -> dict[str, Any]:
-    """One path of one case, in this (fresh) process: both passes; saves logits, loss and
-    gradient norms to ``spec["tensors"]`` for the parent's comparison."""
+def run_path(spec: dict[str, Any]) -> dict[str, Any]:
+    """One path of one case: both passes; saves logits, loss and gradient norms to
+    ``spec["tensors"]`` for the comparison."""
+    import copy
+
     from mmpack.vision import encode_once, encode_stats
 
     device, dtype, unique = spec["device"], getattr(torch, spec["dtype"]), spec["unique"]
     if spec["threads"]:
         torch.set_num_threads(spec["threads"])
-    model = build_model(spec["tower"], spec["depth"], device, dtype)
+    built = build_model(spec["tower"], spec["depth"], device, dtype)
+    # both paths run a deep copy of the model built from the seed; the unique path adapts its own
+    model = copy.deepcopy(built)
+    del built
     if unique:
         encode_once(model)
     meter = TowerMeter(model, device)
-    batch = make_batch(spec["tower"], spec["prompts"], spec["group"], dtype)
+    batch = make_batch(spec["tower"], spec["side"], spec["prompts"], spec["group"], dtype)
     ids = batch["input_ids"].to(device)
     keys = ("pixel_values", "image_grid_thw")
+    if device == "cuda":
+        torch.cuda.synchronize()
     base = _memory_mib(device, peak=False)
     result: dict[str, Any] = {"setup_mib": base}
     saved: dict[str, Any] = {}
@@ -272,21 +297,35 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
                 if p.grad is not None
             }
     torch.save(saved, spec["tensors"])
+    del model, meter
+    if device == "cuda":
+        torch.cuda.empty_cache()
     return result
 
 
-def run_child(spec: dict[str, Any]) -> dict[str, Any]:
-    """``child(spec)`` in a fresh interpreter; its JSON result."""
-    proc = subprocess.run(
-        [sys.executable, str(Path(__file__).resolve()), "--child", json.dumps(spec)],
-        capture_output=True,
-        text=True,
-        timeout=1800,
-        check=False,
-    )
-    if proc.returncode != 0:
-        raise RuntimeError(f"{spec} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+def _forked(spec: dict[str, Any], queue: Any) -> None:
+    try:
+        queue.put(("ok", run_path(spec)))
+    except BaseException as error:  # reported by the parent
+        import traceback
+
+        queue.put(("error", f"{error!r}\n{traceback.format_exc()}"))
+
+
+def run_forked(spec: dict[str, Any]) -> dict[str, Any]:
+    """``run_path(spec)`` in a forked process: its own peak resident memory, and no import cost
+    (the parent imported transformers and ran no torch op before)."""
+    context = multiprocessing.get_context("fork")
+    queue = context.SimpleQueue()
+    proc = context.Process(target=_forked, args=(spec, queue))
+    proc.start()
+    proc.join()
+    if queue.empty():
+        raise RuntimeError(f"{spec} died with exit code {proc.exitcode}")
+    status, value = queue.get()
+    if status != "ok":
+        raise RuntimeError(f"{spec} failed:\n{value}")
+    return value
 
 
 def check_agree(a: dict[str, Any], b: dict[str, Any], tol: float, label: str) -> float:
@@ -311,6 +350,7 @@ def case_specs(tower: str, prompts: int, group: int, args: Any, tmp: str) -> lis
         {
             "tower": tower,
             "depth": args.depth,
+            "side": args.side,
             "prompts": prompts,
             "group": group,
             "unique": unique,
@@ -383,65 +423,97 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def goal_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """The goal, per tower and G: the tower's forward + backward at least 0.8 x G faster on
+    unique media when a micro-batch holds G rows of one prompt."""
+    lines = []
+    for r in rows:
+        if r["pass"] != PASSES[1] or not r["rows"].startswith("1 x "):
+            continue
+        group = int(r["rows"].split(" x ")[1])
+        speedup = r["tower_s"][0] / r["tower_s"][1]
+        r["goal"] = {"target": 0.8 * group, "speedup": speedup, "met": speedup >= 0.8 * group}
+        verdict = "met" if r["goal"]["met"] else "NOT met"
+        lines.append(
+            f"goal, {r['tower']} tower, G = {group}: tower forward + backward {speedup:.1f}x "
+            f"faster, target 0.8 x G = {0.8 * group:.1f}x: {verdict}"
+        )
+    return lines
+
+
+def machine_line(args: Any, memory: str) -> str:
+    name = torch.cuda.get_device_name() if args.device == "cuda" else cpu_name()
+    threads = args.threads or torch.get_num_threads()
+    return (
+        f"# bench_vision: {name}, {args.device}, {threads} CPU threads, {args.dtype}, "
+        f"torch {torch.__version__}, {platform.platform()}; memory: {memory}"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    ap.add_argument("--tower", action="append", choices=sorted(TOWERS))
+    ap.add_argument("--tower", action="append", choices=sorted(TOWERS), help="repeatable")
     ap.add_argument("--depth", type=int, default=None, help="vision blocks (default per tower)")
+    ap.add_argument("--side", type=int, default=None, help="patches per image side (even)")
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     ap.add_argument("--groups", default="8,16", help="G values, comma-separated")
     ap.add_argument("--repeats", type=int, default=3, help="timed calls per pass (median)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
-    ap.add_argument("--jobs", type=int, default=1, help="cases run at once (timings need 1)")
     ap.add_argument("--quick", action="store_true", help="tiny tower, G = 4, one repeat")
     ap.add_argument("--out", default="bench-results/bench_vision.json")
-    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
-    if args.child is not None:
-        print(json.dumps(child(json.loads(args.child))))
-        return 0
     towers = args.tower or ["tiny", "small"]
     groups = [int(g) for g in args.groups.split(",")]
     if args.quick:
-        towers, groups, args.repeats, args.jobs = ["tiny"], [4], 1, max(args.jobs, 4)
+        towers, groups, args.repeats = ["tiny"], [4], 1
+        args.threads = args.threads or 1
+    if args.side is not None and (args.side < 2 or args.side % 2):
+        ap.error("--side must be even (Qwen2-VL merges 2 x 2 patches)")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda, but torch sees no CUDA device")
     if args.device == "cuda":
-        machine, memory = torch.cuda.get_device_name(), "CUDA max_memory_allocated above setup"
+        memory = "CUDA max_memory_allocated above setup, reset per pass; one process"
     else:
-        machine = platform.processor() or platform.machine()
-        memory = "peak RSS (VmHWM) above RSS after setup, each path of each case in its own process"
-    threads = args.threads or torch.get_num_threads()
-    print(
-        f"# bench_vision: {machine}, {args.device}, {threads} threads, {args.dtype}, "
-        f"torch {torch.__version__}; memory: {memory}\n",
-        flush=True,
-    )
+        memory = "peak RSS (VmHWM) above RSS after setup, each path of each case in its own fork"
+    # import what the paths need before any fork (and before any torch op)
+    import mmpack.vision  # noqa: F401
+    import transformers  # noqa: F401
+    from transformers import Qwen2VLForConditionalGeneration  # noqa: F401
+
+    print(machine_line(args, memory) + "\n", flush=True)
     cases = [
         (tower, prompts, group // prompts)
-        for tower in towers
+        for tower in dict.fromkeys(towers)
         for group in groups
         for prompts in (1, 2)
         if group % prompts == 0
     ]
+    # CUDA runs in this process (a fork would inherit its CUDA context); CPU paths in forks. The
+    # comparisons come after the last fork: the parent runs no torch op before forking.
+    runner = run_path if args.device == "cuda" else run_forked
     start = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp, ThreadPoolExecutor(args.jobs) as pool:
+    with tempfile.TemporaryDirectory() as tmp:
         specs = [case_specs(*case, args, tmp) for case in cases]
-        results = list(pool.map(run_child, [s for pair in specs for s in pair]))
-        rows = [
-            row for i, pair in enumerate(specs) for row in rows_of(pair, results[2 * i : 2 * i + 2])
-        ]
+        results = [[runner(spec) for spec in pair] for pair in specs]
+        rows = [row for pair, res in zip(specs, results, strict=True) for row in rows_of(pair, res)]
     seconds = time.perf_counter() - start
     print(table(rows))
     print(
-        f"\ntower s: the tower's forward, plus its backward in the backward pass; call s: the "
+        "\ntower s: the tower's forward, plus its backward in the backward pass; call s: the "
         f"whole call; x: logical / unique. {len(cases)} cases in {seconds:.0f} s."
     )
+    for line in goal_lines(rows):
+        print(line)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     report = {
         "quick": args.quick,
-        "machine": machine,
+        "machine": machine_line(args, memory),
         "device": args.device,
         "dtype": args.dtype,
-        "threads": threads,
+        "towers": towers,
+        "depth": args.depth,
+        "side": args.side,
         "repeats": args.repeats,
         "memory": memory,
         "seconds": seconds,

@@ -271,9 +271,10 @@ class UnsupportedModelError(VisionError, TypeError):
 
 
 @_row("vision")
-class UnadaptedModelError(VisionError):
+class UnadaptedModelError(VisionError, AttributeError):
     """A model read mmpack's ``UniqueSegments`` as if it were a tensor: it was not adapted with
-    ``mmpack.vision.encode_once``, so it would run without its media.
+    ``mmpack.vision.encode_once``, so it would run without its media. Also an ``AttributeError``,
+    so that ``hasattr`` / ``getattr(..., default)`` in generic code answer as for any object.
     """
 
 

@@ -66,8 +66,9 @@ def test_short_run_losses_agree_and_accounting_balances(
     grpo = summary["grpo"]
     assert grpo["ok"] and not grpo["problems"], grpo
     assert (grpo["prompts"], grpo["group"], grpo["rows"]) == (2, 3, 6)
-    assert grpo["loss_diff"] <= grpo_step.TOLERANCE
-    assert grpo["max_grad_diff"] <= grpo_step.TOLERANCE
+    assert grpo["loss_diff"] <= grpo_step.LOSS_TOLERANCE
+    assert grpo["max_grad_rel_diff"] <= grpo_step.GRAD_TOLERANCE
+    assert grpo["worst_parameter"].startswith("model.")
     assert grpo["parameters"] > grpo["vision_parameters"] > 0  # the vision tower is compared
     logical, unique = grpo["logical"], grpo["unique"]
     # every row's copy encoded vs each prompt's image once, as the vision tower saw them
@@ -77,19 +78,45 @@ def test_short_run_losses_agree_and_accounting_balances(
     assert logical["seconds"] > 0 and unique["seconds"] > 0
     assert "| GRPO step (2 prompts x G=3) |" in text
     assert "| logical | as_tensor() |" in text and "| unique | unique_segments() |" in text
-    assert "loss and gradients logical == unique: yes" in text
+    assert "| max grad diff / scale |" in text
+    assert (
+        "loss and gradients logical == unique: yes" in text
+        and "relative to the gradient's scale" in text
+    )
 
 
 def test_the_grpo_step_fails_beyond_its_tolerance(monkeypatch: pytest.MonkeyPatch) -> None:
     from mmpack_dev.tiny_qwen2_vl import build_processor
 
     args = demo.build_parser().parse_args([*SHORT, "--grpo-group", "2"])
-    monkeypatch.setattr(grpo_step, "TOLERANCE", -1.0)  # no difference passes: both checks fail
+    # no difference passes: both checks fail
+    monkeypatch.setattr(grpo_step, "LOSS_TOLERANCE", -1.0)
+    monkeypatch.setattr(grpo_step, "GRAD_TOLERANCE", -1.0)
     result = grpo_step.run_step(build_processor(), args)
     assert not result.ok
     assert any(p.startswith("loss differs") for p in result.problems), result.problems
     assert any(p.startswith("gradients differ") for p in result.problems), result.problems
     assert "FAIL" in grpo_step.verdict(result)
+
+
+def test_the_grpo_gradient_check_is_relative_to_each_parameters_scale() -> None:
+    big = torch.full((3, 4), 1e3, dtype=torch.float64)
+    small = torch.full((5,), 1e-6, dtype=torch.float64)
+    zero = torch.zeros(2, dtype=torch.float64)
+    a = {"big": big, "small": small, "zero": zero}
+    names = list(a)
+    # float32-island-sized differences on each scale: inside the tolerance though the absolute
+    # difference on the large gradient is 1e-8
+    b = {"big": big + 1e-8, "small": small * (1 + 1e-11), "zero": zero.clone()}
+    diff, rel, _ = grpo_step.compare_gradients(a, b, names)
+    assert diff == pytest.approx(1e-8, rel=1e-3) and rel <= grpo_step.GRAD_TOLERANCE
+    # a wrong gradient on a small scale: tiny in absolute terms, caught relative to its scale
+    b["small"] = small * 1.5
+    diff, rel, worst = grpo_step.compare_gradients(a, b, names)
+    assert diff < 1e-6 and rel > grpo_step.GRAD_TOLERANCE and worst == "small"
+    # a gradient where the other path has none: off by its whole scale
+    b["small"], b["zero"] = small.clone(), zero + 1e-300
+    assert grpo_step.compare_gradients(a, b, names)[1:] == (1.0, "zero")
 
 
 def test_the_dataset_holds_every_media_kind(tmp_path: Path) -> None:

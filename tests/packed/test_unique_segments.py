@@ -95,20 +95,44 @@ def shard(p: Plain, k: int) -> list[Plain]:
 _serial = itertools.count(1)
 
 
+@dataclass(frozen=True)
+class Spec:
+    """What values that may be concatenated share: rank, packed dimension, padding, dtype and
+    the sizes of the other dimensions (without padding)."""
+
+    rank: int
+    dim: int
+    pad: bool
+    dtype: torch.dtype
+    base: tuple[int, ...]
+
+
 @st.composite
-def values_st(draw: st.DrawFn, *, tiny: bool = False) -> tuple[PackedTensor, Plain]:
-    """A random value and its plain model: legacy (``None`` media allowed), legacy with
-    provenance, or CSR rows over physical segments (with or without provenance; provenance
-    shared by several physical segments, which then hold equal data)."""
+def spec_st(draw: st.DrawFn) -> Spec:
     rank = draw(st.integers(1, 3))
-    dim = draw(st.integers(-rank, rank - 1))
+    return Spec(
+        rank,
+        draw(st.integers(-rank, rank - 1)),
+        rank > 1 and draw(st.booleans()),
+        draw(st.sampled_from([torch.float32, torch.float64, torch.int64])),
+        tuple(draw(st.integers(1, 3)) for _ in range(rank)),
+    )
+
+
+@st.composite
+def value_st(
+    draw: st.DrawFn, spec: Spec, *, tiny: bool = False, many: bool = False
+) -> tuple[PackedTensor, Plain]:
+    """A random value of ``spec`` and its plain model: legacy (``None`` media allowed), legacy
+    with provenance, or CSR rows over physical segments (with or without provenance;
+    provenance shared by several physical segments, which then hold equal data)."""
+    rank, dim, pad = spec.rank, spec.dim, spec.pad
     pack = dim + rank if dim < 0 else dim
-    pad = rank > 1 and draw(st.booleans())
-    dtype = draw(st.sampled_from([torch.float32, torch.float64, torch.int64]))
-    base = [draw(st.integers(1, 3)) for _ in range(rank)]
-    n = draw(st.integers(1, 24 if tiny else 6))
+    n = draw(st.integers(64, 160)) if many else draw(st.integers(1, 24 if tiny else 6))
     kind = draw(st.sampled_from(["legacy", "legacy_dedup", "csr", "csr_dedup"]))
-    pool = [bytes([i + 1]) * 16 for i in range(draw(st.integers(1, 4)))]
+    # provenance ids of this value only (another value's segments are other segments)
+    pool = [next(_serial).to_bytes(16) for _ in range(n // 2 + 1 if many else 4)]
+    pool = pool if many else pool[: draw(st.integers(1, 4))]
     segs: list[torch.Tensor | None] = []
     prov: list[bytes] = []
     by_id: dict[bytes, torch.Tensor | None] = {}
@@ -120,11 +144,11 @@ def values_st(draw: st.DrawFn, *, tiny: bool = False) -> tuple[PackedTensor, Pla
         elif draw(st.integers(0, 4)) == 0:
             segs.append(None)
         else:
-            shape = [draw(st.integers(1, 3)) if pad else s for s in base]
-            shape[pack] = draw(st.integers(0, 1 if tiny else 3))
+            shape = [draw(st.integers(1, 3)) if pad else s for s in spec.base]
+            shape[pack] = draw(st.integers(0, 1 if tiny or many else 3))
             numel = int(np.prod(shape))
             start = next(_serial) * 1000
-            segs.append(torch.arange(start, start + numel).reshape(shape).to(dtype))
+            segs.append(torch.arange(start, start + numel).reshape(shape).to(spec.dtype))
         by_id.setdefault(pid, segs[-1])
         prov.append(pid)
     if kind in ("legacy", "legacy_dedup"):
@@ -134,8 +158,11 @@ def values_st(draw: st.DrawFn, *, tiny: bool = False) -> tuple[PackedTensor, Pla
         value.enable_deduplication()
         ids = [bytes(i) for i in value.segment_identities()]  # type: ignore[union-attr]
         return value, Plain(segs, None, list(ids), dim, pad)
-    n_rows = draw(st.integers(0, 8 if tiny else 5))
-    rows = [draw(st.lists(st.integers(0, n - 1), max_size=6 if tiny else 3)) for _ in range(n_rows)]
+    n_rows = draw(st.integers(0, 8 if tiny or many else 5))
+    width = 40 if many else 6 if tiny else 3
+    rows = [draw(st.lists(st.integers(0, n - 1), max_size=width)) for _ in range(n_rows)]
+    if many:  # every physical segment referenced: the gather sees them all
+        rows.append(list(range(n)))
     offsets = [0, *itertools.accumulate(len(r) for r in rows)]
     keep = prov if kind == "csr_dedup" else None
     value = PackedTensor(
@@ -147,6 +174,10 @@ def values_st(draw: st.DrawFn, *, tiny: bool = False) -> tuple[PackedTensor, Pla
         _segment_provenance=None if keep is None else list(keep),
     )
     return value, Plain(segs, rows, None if keep is None else list(keep), dim, pad)
+
+
+def values_st(*, tiny: bool = False, many: bool = False) -> st.SearchStrategy[Any]:
+    return spec_st().flatmap(lambda spec: value_st(spec, tiny=tiny, many=many))
 
 
 def check(value: PackedTensor, plain: Plain, **kwargs: Any) -> UniqueSegments | None:
@@ -243,6 +274,58 @@ def test_many_tiny_segments(case: Any, k: int) -> None:
     check(value.repeat_interleave(k), repeat_interleave(plain, k))
 
 
+@settings(max_examples=25, deadline=None)
+@given(values_st(many=True), st.integers(1, 3), st.lists(st.integers(-12, 11), max_size=8))
+def test_many_segments_take_the_compacting_gather(case: Any, k: int, rows: list[int]) -> None:
+    """64 and more referenced segments: the gather compacts them first (with padding)."""
+    value, plain = case
+    check(value, plain)
+    value, plain = value.repeat_interleave(k), repeat_interleave(plain, k)
+    check(value, plain)
+    for op, arg in (("slice", rows), ("concat", rows), ("pickle", None)):
+        value, plain = apply(value, plain, op, arg)
+        check(value, plain)
+
+
+@pytest.mark.parametrize("pad", [False, True])
+@pytest.mark.parametrize("segments", [3, 80])
+def test_large_values_take_the_native_gather(pad: bool, segments: int) -> None:
+    """Past 1 MiB the segments are gathered natively, not by ``torch.cat``."""
+    rows = (2 << 20) // (segments * 4 * 64)
+    generator = torch.Generator().manual_seed(segments)
+    segs: list[torch.Tensor | None] = [
+        torch.randn(rows, 64 - (i % 3 if pad else 0), generator=generator) for i in range(segments)
+    ]
+    value = PackedTensor(list(segs), 0, pad_to_max_shape=pad).enable_deduplication()
+    ids = [bytes(i) for i in value.segment_identities()]  # type: ignore[union-attr]
+    value, plain = value.repeat_interleave(2), repeat_interleave(Plain(segs, None, ids, 0, pad), 2)
+    got = check(value, plain)
+    assert got is not None and got.values.nbytes >= 1 << 20 and got.num_unique == segments
+    order = [2 * segments - 1, 0, 3, 0]
+    check(value.slice(order), take(plain, order))
+
+
+@settings(max_examples=60, deadline=None)
+@given(spec_st().flatmap(lambda s: st.lists(value_st(s), min_size=2, max_size=3)), st.data())
+def test_concat_of_values_of_every_kind(cases: list[Any], data: st.DataObject) -> None:
+    """Legacy values, CSR values with and without provenance, concatenated with slices of each
+    other: provenance is kept, minted where missing, and interned across the parts."""
+    parts, plains = [], []
+    for value, plain in cases:
+        parts.append(value)
+        plains.append(plain)
+        if n := len(value):
+            idx = data.draw(st.lists(st.integers(-n, n - 1), min_size=1, max_size=4))
+            parts.append(value.slice(idx))
+            plains.append(take(plain, idx))
+    joined, model = PackedTensor.concat(parts), concat(plains)
+    check(joined, model)
+    check(joined.repeat_interleave(2), repeat_interleave(model, 2))
+    if len(joined):
+        order = [-1, 0, len(joined) // 2, 0]
+        check(joined.slice(order), take(model, order))
+
+
 @settings(max_examples=40, deadline=None)
 @given(values_st())
 def test_to_cpu_and_device_argument(case: Any) -> None:
@@ -255,14 +338,22 @@ def test_to_cpu_and_device_argument(case: Any) -> None:
     assert torch.equal(moved.values, got.values) and torch.equal(moved.index, got.index)
     assert moved.offsets.tolist() == got.offsets.tolist()
     assert moved.identities == got.identities and moved.dim_to_pack == got.dim_to_pack
+    # a dtype, as Tensor.to takes it, casts the values only: the index stays int64
+    for args, kwargs in (((torch.float16,), {}), (("cpu", torch.float64), {"non_blocking": True})):
+        cast = got.to(*args, **kwargs)
+        want = got.values.to(args[-1])
+        assert cast.values.dtype == want.dtype and torch.equal(cast.values, want)
+        assert cast.index.dtype == torch.int64 and torch.equal(cast.index, got.index)
+        assert torch.equal(cast.logical(), got.logical().to(args[-1]))
+    assert got.to(dtype=got.values.dtype).values is got.values
 
 
 @settings(max_examples=60, deadline=None)
-@given(values_st())
-def test_values_never_alias_the_value(case: Any) -> None:
+@given(values_st(), st.sampled_from([None, "cpu"]))
+def test_values_never_alias_the_value(case: Any, device: str | None) -> None:
     value, _ = case
     before = value.as_tensor()
-    got = value.unique_segments()
+    got = value.unique_segments(device)
     if got is None or got.values.numel() == 0:
         return
     got.values.add_(1)
@@ -371,6 +462,11 @@ def test_read_in_place_from_the_ray_store(case: Any, k: int) -> None:
     assert torch.equal(ray.get(ray.put(value)).as_tensor(), before)
     for s, m in zip(received.shard(k), shard(plain, k), strict=True):
         check(s, m)
+    moved = ray.get(ray.put(value))  # with a device: private copies first, as as_tensor does
+    got = check(moved, plain, device="cpu")
+    if got is not None and got.values.numel():
+        got.values.add_(1)
+        assert torch.equal(moved.as_tensor(), before)
 
 
 @pytest.mark.usefixtures("ray_store_on")

@@ -693,8 +693,9 @@ def main(argv: list[str]) -> int:
         Path(args.json).write_text(json.dumps(summary, indent=2))
     if not grpo.ok:
         print(
-            "error: the GRPO step, logical vs unique media (tolerance "
-            f"{grpo_step.TOLERANCE:.0e}): {'; '.join(grpo.problems)}",
+            "error: the GRPO step, logical vs unique media (tolerances: loss "
+            f"{grpo_step.LOSS_TOLERANCE:.0e}, gradients {grpo_step.GRAD_TOLERANCE:.0e} of their "
+            f"scale): {'; '.join(grpo.problems)}",
             file=sys.stderr,
         )
     return 0 if ok else 1

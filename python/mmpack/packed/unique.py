@@ -77,12 +77,15 @@ class UniqueSegments:
         ``image_grid_thw``; media stays unique)."""
         return self.values.index_select(self.dim_to_pack, self.item_index())
 
-    def to(self, device: torch.device | str, *, non_blocking: bool = False) -> UniqueSegments:
-        """The same segments on ``device``."""
+    def to(self, *args: Any, **kwargs: Any) -> UniqueSegments:
+        """The same segments moved or cast as ``Tensor.to`` takes them (``to(device)``,
+        ``to(dtype)``, ``to(device, dtype)``, ``to(tensor)``, keywords ``device``, ``dtype``,
+        ``non_blocking``). A dtype casts ``values`` only: ``index`` stays int64, and only moves."""
+        device, dtype, non_blocking, _ = torch._C._nn._parse_to(*args, **kwargs)
         return UniqueSegments(
-            self.values.to(device, non_blocking=non_blocking),
+            self.values.to(device=device, dtype=dtype, non_blocking=non_blocking),
             self.offsets,
-            self.index.to(device, non_blocking=non_blocking),
+            self.index if device is None else self.index.to(device, non_blocking=non_blocking),
             self.identities,
             self.dim_to_pack,
         )

@@ -17,7 +17,9 @@ step from them, until its weights change (see ``mmpack.vision.feature_cache``).
 
 from __future__ import annotations
 
+import copy
 import inspect
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,21 +91,56 @@ def _check_surface(model: Any, family: Family) -> None:
 
 
 class _Adapter:
-    """The adapted forward (an instance attribute of the model)."""
+    """The adapted forward (an instance attribute of the model). It holds the model weakly and
+    the forward as a plain function, so that the model is freed as soon as it is dropped (no
+    reference cycle through its own ``__dict__``); it keeps the forward's signature, which
+    transformers' ``generate`` and the Trainer read."""
 
     def __init__(self, model: Any, family: Family, forward: Any, cache: FeatureCache) -> None:
-        self.model = model
+        self._model = weakref.ref(model)
         self.family = family
-        self.forward = forward
+        bound = getattr(forward, "__self__", None) is model
+        self._function = forward.__func__ if bound else None
+        self._forward = None if bound else forward  # something else's wrapper: kept as given
         self.cache = cache
         self.stats = EncodeStats()
+        self.__signature__ = inspect.signature(forward)
+        self.__wrapped__ = forward.__func__ if bound else forward
+        self.__doc__ = getattr(forward, "__doc__", None)
+
+    @property
+    def model(self) -> Any:
+        model = self._model()
+        if model is None:
+            raise ReferenceError("the adapted model was freed")
+        return model
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         if any(isinstance(a, UniqueSegments) for a in args):
             raise UniqueMediaError("pass unique media to an adapted model by keyword")
         if any(isinstance(v, UniqueSegments) for v in kwargs.values()):
             kwargs = self._with_features(kwargs)
-        return self.forward(*args, **kwargs)
+        if self._function is not None:
+            return self._function(self.model, *args, **kwargs)
+        assert self._forward is not None
+        return self._forward(*args, **kwargs)
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> _Adapter:
+        # Copied with its model (``copy.deepcopy(model)``): the copy adapts the model's copy,
+        # with a cache and counters of its own.
+        model = self.model
+        copied = memo.get(id(model))
+        if copied is None:
+            copied = copy.deepcopy(model, memo)
+        if self._function is None:
+            forward = copy.deepcopy(self._forward, memo)
+        else:
+            forward = self._function.__get__(copied)
+        return _Adapter(copied, self.family, forward, FeatureCache(self.cache.max_bytes))
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        forward = self._forward if self._function is None else self._function.__name__
+        return (_restore, (self.model, self.family, forward, self.cache.max_bytes))
 
     def _with_features(self, kwargs: dict[str, Any]) -> dict[str, Any]:
         kwargs = dict(kwargs)
@@ -172,7 +209,7 @@ class _Adapter:
         keys: list[Any] = [None] * n
         found: list[tuple[torch.Tensor, ...] | None] = [None] * n
         if self.cache.max_bytes and not torch.is_grad_enabled():
-            self.cache.validate(weights_stamp(self.model))
+            self.cache.validate((weights_stamp(self.model), module_state(self.model)))
             for u in range(n):
                 keys[u] = _cache_key(modality, values, encoder, offsets, options, u)
                 found[u] = None if keys[u] is None else self.cache.get(keys[u])
@@ -217,6 +254,45 @@ class _Adapter:
         self.stats.encoded += len(pooled)
         starts = (np.cumsum(counts) - counts).tolist()
         return [tuple(pooled[s : s + c]) for s, c in zip(starts, counts.tolist(), strict=True)]
+
+
+def _restore(model: Any, family: Family, forward: Any, budget: int) -> _Adapter:
+    """Unpickle an adapter (with its model: ``torch.save(model)``)."""
+    if isinstance(forward, str):
+        forward = getattr(type(model), forward).__get__(model)
+    return _Adapter(model, family, forward, FeatureCache(budget))
+
+
+def module_state(model: Any) -> tuple[Any, ...]:
+    """What decides a module's behaviour beside its weights: its hooks and its plain settings
+    (flags, numbers, names: a LoRA adapter switched off, dropout's rate, an active adapter's
+    name), for every module; and the global module hooks."""
+    from torch.nn.modules import module as nn_module
+
+    # None is left out: attributes that hold a per-call tensor or None (Qwen's rope_deltas)
+    # are state, not settings
+    plain = (bool, int, float, str)
+    state = []
+    for m in model.modules():
+        d = m.__dict__
+        settings = tuple(
+            (k, v if isinstance(v, plain) else tuple(v))
+            for k, v in d.items()
+            if isinstance(v, plain)
+            or (
+                isinstance(v, (list, tuple, set, frozenset))
+                and all(isinstance(x, plain) for x in v)
+            )
+        )
+        hooks = tuple(
+            tuple(d.get(name, {}).keys()) for name in ("_forward_hooks", "_forward_pre_hooks")
+        )
+        state.append((type(m), settings, hooks, getattr(m, "forward", None).__class__))
+    globals_ = (
+        tuple(nn_module._global_forward_hooks.keys()),
+        tuple(nn_module._global_forward_pre_hooks.keys()),
+    )
+    return (tuple(state), globals_)
 
 
 def per_unique(
