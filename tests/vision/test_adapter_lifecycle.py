@@ -123,3 +123,13 @@ def test_a_hook_added_after_caching_is_honoured(base: Any) -> None:
     _logits(adapted, batch, unique=True)
     _logits(adapted, batch, unique=True)
     assert encode_stats(adapted).encoded == before + 2 and encode_stats(adapted).cached >= 2
+
+
+def test_unique_pixels_without_their_grid_are_refused_by_name(base: Any) -> None:
+    from mmpack.errors import UniqueMediaError
+
+    adapted = encode_once(copy.deepcopy(base))
+    inputs = model_inputs(base, _batch(base), "padded", unique=True)
+    del inputs["image_grid_thw"]
+    with pytest.raises(UniqueMediaError, match="image_grid_thw"), torch.no_grad():
+        adapted(**inputs)

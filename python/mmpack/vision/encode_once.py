@@ -186,6 +186,11 @@ class _Adapter:
             kwargs[key] = meta.logical() if key in modality.logical_keys else None
             if kwargs[key] is None:
                 del kwargs[key]
+        if modality.items_key != modality.values_key and modality.items_key not in offsets:
+            raise UniqueMediaError(
+                f"unique {modality.values_key!r} needs {modality.items_key!r}, also from "
+                "unique_segments(): it says where each image's patches end"
+            )
         items = offsets.get(modality.items_key, values.offsets)
         options = {k: _option(self.model, kwargs, k) for k in modality.config_keys}
         features = self._unique_features(modality, values, encoder, offsets, items, options)
