@@ -404,8 +404,8 @@ def plot_panel(ax: Any, result: GrpoResult) -> None:
     ax.set_title(
         f"GRPO step, {result.prompts} prompts x G={result.group}, logical vs unique"
         f"{'' if result.ok else ': FAIL'}\n|loss diff| {result.loss_diff:.1e} (tolerance "
-        f"{LOSS_TOLERANCE:.0e}); max |grad diff| {result.max_grad_diff:.1e}\n"
-        f"relative to each gradient's scale {result.max_grad_rel_diff:.1e} (tolerance "
-        f"{GRAD_TOLERANCE:.0e}), over {result.parameters} parameter tensors"
+        f"{LOSS_TOLERANCE:.0e}), max |grad diff| {result.max_grad_diff:.1e}\n"
+        f"/ gradient scale {result.max_grad_rel_diff:.1e} (tolerance {GRAD_TOLERANCE:.0e}), "
+        f"{result.parameters} parameter tensors"
     )
     ax.margins(y=0.35)
