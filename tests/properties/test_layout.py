@@ -29,7 +29,8 @@ ALLOWED = {
     "safe_load": CORE,
     "energon": CORE,
     "compat": CORE | {"safe_load"},
-    "root": CORE | {"safe_load", "energon", "compat"},
+    "vision": CORE,
+    "root": CORE | {"safe_load", "energon", "compat", "vision"},
 }
 
 

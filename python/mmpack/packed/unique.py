@@ -21,9 +21,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from mmpack._coerce import pack_dim
 from mmpack.errors import UnadaptedModelError
 
-__all__ = ["UniqueSegments", "unique_order"]
+__all__ = ["UniqueSegments", "unique_order", "unique_segments"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -135,3 +136,41 @@ def unique_order(
     index = rank[inverse.reshape(-1)].astype(np.int64)
     representatives = logical[first[by_first_use]].astype(np.int64)
     return representatives, index
+
+
+def unique_segments(value: Any, device: Any, gather: Any) -> UniqueSegments | None:
+    """``PackedTensor.unique_segments``: the physical segments the rows reference, one per
+    distinct identity in first-use order, concatenated by ``gather`` (``as_tensor``'s path,
+    ``mmpack.packed.value.materialize``)."""
+    lay = value._lay()
+    phys = value._phys()
+    n = len(phys)
+    if lay is not None and lay.is_csr:
+        logical = np.asarray(lay.indices(), dtype=np.int64)
+    else:
+        logical = np.arange(n, dtype=np.int64)
+    present = np.fromiter((t is not None for t in phys), dtype=bool, count=n)
+    logical = logical[present[logical]] if logical.size else logical
+    if logical.size == 0:
+        return None
+    identities = value.segment_identities()
+    representatives, index = unique_order(logical, identities)
+    values = gather(value, representatives, device, None, False)
+    if values is None:
+        return None
+    segments = value._phys()  # moved in place by a device gather
+    first = segments[int(representatives[0])]
+    dim = pack_dim(value.dim_to_pack, len(first.shape))
+    if dim is None:  # as_tensor refused it already; kept for the type checker
+        raise IndexError(f"dim_to_pack={value.dim_to_pack} is invalid")
+    sizes = np.fromiter(
+        (segments[int(p)].shape[dim] for p in representatives), np.int64, representatives.size
+    )
+    offsets = np.zeros(sizes.size + 1, dtype=np.int64)
+    np.cumsum(sizes, out=offsets[1:])
+    ids = (
+        tuple([None] * representatives.size)
+        if identities is None
+        else tuple(bytes(identities[p]) for p in representatives.tolist())
+    )
+    return UniqueSegments(values, offsets, torch.from_numpy(index).to(values.device), ids, dim)

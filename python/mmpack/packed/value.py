@@ -35,7 +35,6 @@ import numpy as np
 import torch
 
 from mmpack._coerce import count_int, host_tensor, index_array
-from mmpack._coerce import pack_dim as _unique_pack_dim
 from mmpack._native import (
     IndexOverflowError,
     LayoutError,
@@ -52,7 +51,7 @@ from mmpack.packed.pickling import format as _pickle_format
 from mmpack.packed.storage import SegmentStorage
 from mmpack.packed.unique import UniqueSegments
 
-__all__ = ["PackedTensor"]
+__all__ = ["PackedTensor", "materialize"]
 
 #: How the native concat combines values (one of NeMo-RL's three class methods).
 _Combine = Literal["concat", "merge_segments", "flattened_concat"]
@@ -98,6 +97,35 @@ def _layouts_of(values: list[Any]) -> list[PackedLayout | None]:
 
 # ---------------------------------------------------------------------------------------------
 # the class
+
+
+def materialize(
+    value: PackedTensor,
+    indices: Any,
+    device: torch.device | str | None,
+    out: torch.Tensor | None,
+    pin_memory: bool,
+) -> torch.Tensor | None:
+    """The physical segments of ``value`` that ``indices`` lists (``None``: one per row),
+    concatenated: ``as_tensor``'s path, shared with ``unique_segments``."""
+    store = value._store_views()
+    if store is not None and device is None:
+        result = _gather.as_tensor_from_store(
+            store, indices, value.dim_to_pack, value.pad_to_max_shape, out, pin_memory
+        )
+        if result is not _gather.NOT_COVERED:
+            return result
+    elif store is not None and device is not None:
+        value.to(device)  # staged to the device straight from the store, in place
+    return _gather.as_tensor(
+        value.tensors,
+        indices,
+        value.dim_to_pack,
+        value.pad_to_max_shape,
+        device,
+        out=out,
+        pin_memory=pin_memory,
+    )
 
 
 class PackedTensor(SegmentStorage):
@@ -205,34 +233,7 @@ class PackedTensor(SegmentStorage):
         ``pin_memory=True`` (needs CUDA). See ``mmpack.packed.gather``."""
         lay = self._lay()
         indices = lay.indices() if lay is not None and lay.is_csr else None
-        return self._gather(indices, device, out, pin_memory)
-
-    def _gather(
-        self,
-        indices: Any,
-        device: torch.device | str | None,
-        out: torch.Tensor | None,
-        pin_memory: bool,
-    ) -> torch.Tensor | None:
-        """The physical segments ``indices`` lists (``None``: one per row), concatenated."""
-        store = self._store_views()
-        if store is not None and device is None:
-            result = _gather.as_tensor_from_store(
-                store, indices, self.dim_to_pack, self.pad_to_max_shape, out, pin_memory
-            )
-            if result is not _gather.NOT_COVERED:
-                return result
-        elif store is not None and device is not None:
-            self.to(device)  # staged to the device straight from the store, in place
-        return _gather.as_tensor(
-            self.tensors,
-            indices,
-            self.dim_to_pack,
-            self.pad_to_max_shape,
-            device,
-            out=out,
-            pin_memory=pin_memory,
-        )
+        return materialize(self, indices, device, out, pin_memory)
 
     def unique_segments(self, device: torch.device | str | None = None) -> UniqueSegments | None:
         """The media of ``as_tensor()`` with each unique segment once (same provenance id: same
@@ -240,38 +241,7 @@ class PackedTensor(SegmentStorage):
         when no row has media. ``device`` moves the physical segments first, in place, as
         ``as_tensor`` does. The input of models adapted by ``mmpack.vision.encode_once``; see
         ``mmpack.packed.unique``."""
-        lay = self._lay()
-        phys = self._phys()
-        n = len(phys)
-        if lay is not None and lay.is_csr:
-            logical = np.asarray(lay.indices(), dtype=np.int64)
-        else:
-            logical = np.arange(n, dtype=np.int64)
-        present = np.fromiter((t is not None for t in phys), dtype=bool, count=n)
-        logical = logical[present[logical]] if logical.size else logical
-        if logical.size == 0:
-            return None
-        identities = self.segment_identities()
-        representatives, index = _unique.unique_order(logical, identities)
-        values = self._gather(representatives, device, None, False)
-        if values is None:
-            return None
-        segments = self._phys()  # moved in place by a device gather
-        first = segments[int(representatives[0])]
-        dim = _unique_pack_dim(self.dim_to_pack, len(first.shape))
-        if dim is None:  # as_tensor refused it already; kept for the type checker
-            raise IndexError(f"dim_to_pack={self.dim_to_pack} is invalid")
-        sizes = np.fromiter(
-            (segments[int(p)].shape[dim] for p in representatives), np.int64, representatives.size
-        )
-        offsets = np.zeros(sizes.size + 1, dtype=np.int64)
-        np.cumsum(sizes, out=offsets[1:])
-        ids = (
-            tuple([None] * representatives.size)
-            if identities is None
-            else tuple(bytes(identities[p]) for p in representatives.tolist())
-        )
-        return UniqueSegments(values, offsets, torch.from_numpy(index).to(values.device), ids, dim)
+        return _unique.unique_segments(self, device, materialize)
 
     def to(self, device: torch.device | str, *, non_blocking: bool = True) -> PackedTensor:
         """Move the physical segments (a new list), keeping provenance; returns ``self``. Each
