@@ -103,7 +103,7 @@ names = zipfile.ZipFile(sys.argv[1]).namelist()
 dev = re.compile(r"reference|demo|synthetic|testing|(^|/)tests?/|(^|/)test_|^benches/|^dev/|mmpack_dev")
 bad = [n for n in names if dev.search(n) and ".dist-info/" not in n]
 assert not bad, f"wheel contains development-only files: {bad}"
-rooms = ("batch/", "compat/", "energon/", "packed/", "packing/", "safe_load/")
+rooms = ("batch/", "compat/", "energon/", "packed/", "packing/", "safe_load/", "vision/")
 py = [n.removeprefix("mmpack/") for n in names if n.startswith("mmpack/") and n.endswith(".py")]
 stray = [n for n in py if "/" in n and not n.startswith(rooms)]
 assert not stray, f"wheel has Python files outside the package's rooms: {stray}"
