@@ -57,6 +57,10 @@ _QWEN_VIDEO = Modality(
     "video", "pixel_values_videos", "video_grid_thw", ("video_grid_thw",), ("video_grid_thw",)
 )
 _LLAVA_OPTIONS = ("vision_feature_layer", "vision_feature_select_strategy")
+#: LLaVA's and LLaVA-NeXT's images: one feature tensor per ``pixel_values`` entry
+_LLAVA_IMAGE = Modality(
+    "image", "pixel_values", "pixel_values", ("image_sizes",), config_keys=_LLAVA_OPTIONS
+)
 
 FAMILIES: tuple[Family, ...] = (
     Family("Qwen2-VL", ("qwen2_vl",), (_QWEN_IMAGE, _QWEN_VIDEO)),
@@ -69,28 +73,12 @@ FAMILIES: tuple[Family, ...] = (
     Family(
         "LLaVA",
         ("llava",),
-        (
-            Modality(
-                "image",
-                "pixel_values",
-                "pixel_values",
-                ("image_sizes",),
-                config_keys=_LLAVA_OPTIONS,
-            ),
-        ),
+        (_LLAVA_IMAGE,),
     ),
     Family(
         "LLaVA-NeXT",
         ("llava_next",),
-        (
-            Modality(
-                "image",
-                "pixel_values",
-                "pixel_values",
-                ("image_sizes",),
-                config_keys=_LLAVA_OPTIONS,
-            ),
-        ),
+        (_LLAVA_IMAGE,),
     ),
 )
 
