@@ -108,7 +108,7 @@ py = [n.removeprefix("mmpack/") for n in names if n.startswith("mmpack/") and n.
 stray = [n for n in py if "/" in n and not n.startswith(rooms)]
 assert not stray, f"wheel has Python files outside the package's rooms: {stray}"
 assert "mmpack/packed/value.py" in names and "mmpack/py.typed" in names, names
-assert "mmpack_startup.pth" in names, "the MMPACK_INSTALL startup hook is missing"
+assert {"mmpack_startup.pth", "mmpack_startup.py"} <= set(names), "the MMPACK_INSTALL startup hook is missing"
 print(f"wheel contents OK: {len(names)} files, product only")
 endef
 export WHEEL_CONTENTS
@@ -121,7 +121,7 @@ assert "site-packages" in mmpack.__file__, mmpack.__file__
 p = mmpack.packing.pack([3, 5, 2, 7], 10)
 assert sorted(p.item_indices.tolist()) == [0, 1, 2, 3] and p.num_bins == 2
 import os, subprocess, sys
-probe = "import sys; print('mmpack._startup' in sys.modules)"
+probe = "import sys; print('mmpack_startup' in sys.modules and 'mmpack' not in sys.modules)"
 for value, armed in (("1", "True"), ("0", "False")):
     env = dict(os.environ, MMPACK_INSTALL=value)
     got = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True)

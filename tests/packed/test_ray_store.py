@@ -315,7 +315,7 @@ class StartupWorker:
     def report(self) -> dict[str, Any]:
         from mmpack.packed import ray_store as rs
 
-        return {"hook": "mmpack._startup" in sys.modules, "store_on": rs.enabled()}
+        return {"hook": "mmpack_startup" in sys.modules, "store_on": rs.enabled()}
 
     def make(self, seed: int) -> PackedTensor:
         return grpo_pixels(seed)
@@ -334,7 +334,7 @@ def plain_report() -> dict[str, Any]:
     """A worker started without the variable."""
     from mmpack.packed import ray_store as rs
 
-    return {"hook": "mmpack._startup" in sys.modules, "store_on": rs.enabled()}
+    return {"hook": "mmpack_startup" in sys.modules, "store_on": rs.enabled()}
 
 
 def test_mmpack_install_reaches_actors_through_runtime_env(tmp_path: Path) -> None:

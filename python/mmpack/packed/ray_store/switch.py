@@ -18,7 +18,7 @@ from mmpack.packed.ray_store import put_table
 __all__ = ["ENV_VAR", "OFF_VALUES", "enable", "enabled", "env_on", "serializing_for_ray"]
 
 #: The environment variable that turns the store path on at import (also read by the startup
-#: hook, ``mmpack._startup``).
+#: hook, ``mmpack_startup``).
 ENV_VAR = "MMPACK_INSTALL"
 #: Values of :data:`ENV_VAR` that leave it off (after ``strip().lower()``; the hook's one line
 #: in ``mmpack_startup.pth`` spells the same set).
