@@ -6,7 +6,8 @@ a conversation becomes tokens, chosen at construction: `chat_template` or `marku
 (the media-decode loop: built-in decoding or the model's `processors`, a package with one
 module per modality), `policy` (skips, consecutive-skip guard, finite failure tolerance),
 `packing_checks` (no pack over capacity, every sample in one pack), `config`, `cookers`,
-`media`, `samples`, `stats`, `loader` and `validation`. Batches are built by `mmpack.batch`
+`media`, `samples`, `stats` (every sample counted once: packed, skipped, failed or dropped),
+`loader` (worker config, checkpoint restore) and `validation`. Batches are built by `mmpack.batch`
 (packs) and `mmpack.batch.padded` (the no-packing rows).
 
 Needs the extra ``mmpack[energon]`` (``megatron-energon`` and ``torch``).
@@ -43,16 +44,19 @@ from mmpack.energon.cookers import cook_fragments, cook_generic, default_cookers
 from mmpack.energon.loader import (
     loader_state_workers,
     make_worker_config,
+    restore_batch,
     restore_loader_state,
+    save_loader_state,
 )
 from mmpack.energon.media import MEDIA_KEYS, MEDIA_LOG, MediaHandle, MediaSettings
 from mmpack.energon.policy import stateless_with_tolerance
 from mmpack.energon.samples import Conversation, EncodedConversation, Part, SftBatch, SftPack, Turn
-from mmpack.energon.stats import SKIP_REASONS, LoaderStats
+from mmpack.energon.stats import DROP_REASONS, SKIP_REASONS, LoaderStats
 from mmpack.energon.task_encoder import PackingTaskEncoder
 from mmpack.energon.validation import check_optional_dependencies, resolve_media_settings
 
 __all__ = [
+    "DROP_REASONS",
     "KNOWN_ROLES",
     "MEDIA_KEYS",
     "MEDIA_LOG",
@@ -77,6 +81,8 @@ __all__ = [
     "loader_state_workers",
     "make_worker_config",
     "resolve_media_settings",
+    "restore_batch",
     "restore_loader_state",
+    "save_loader_state",
     "stateless_with_tolerance",
 ]

@@ -9,7 +9,9 @@ options (`probe_packer`), the batch builder accepts its batch options (`probe_ba
 While packing (a task encoder whose hooks disagree, e.g. a subclass): a sample past
 ``capacity`` that reached the packer (`check_buffer_lengths`) and a pack built past it
 (`check_pack_length`) stop the job with a ``FatalSampleError``, since every buffer would fail the
-same way; a packer that drops or repeats a sample fails its buffer (`packs_of`).
+same way; a packer that drops or repeats a sample fails its buffer (`packs_of`). A pack past
+``capacity`` whose members were restored from a loader checkpoint was planned when it was saved:
+the error names the checkpoint (saved with a larger capacity or other padding), not the hooks.
 """
 
 from __future__ import annotations
@@ -144,23 +146,35 @@ def packs_of(samples: Sequence[T], packing: Any) -> list[list[T]]:
 
 
 def check_pack_length(
-    encoder: str,
+    encoder: Any,
     packed: Any,
     samples: Sequence[EncodedConversation],
-    capacity: int,
-    pack_length: Callable[[EncodedConversation], int],
+    *,
+    restored: Sequence[str] = (),
 ) -> None:
-    """Stop the job on a pack longer than `capacity`: ``pack_length``, ``plan_packs`` and
-    ``build_pack`` of the task encoder class `encoder` disagree (a subclass), and
+    """Stop the job on a pack longer than the task `encoder`'s capacity: its ``pack_length``,
+    ``plan_packs`` and ``build_pack`` disagree (a subclass), and
     ``micro_batch(pad_to_length=capacity * batch_size)`` would fail on it. Fatal: every buffer
-    would fail the same way."""
+    would fail the same way. When members of the pack (`restored`, their keys) were restored
+    from a loader checkpoint, the pack was planned by the run that saved it: the error names the
+    checkpoint."""
+    capacity, pack_length = encoder.config.capacity, encoder.pack_length
     length = len(packed.input_ids)
     if length <= capacity:
         return
     keys = [s.__key__ for s in samples]
     planned = sum(pack_length(s) for s in samples)
+    if restored:
+        err = EnergonConfigError(
+            f"a pack of {length} positions (samples {keys}, {planned} planned here) is over "
+            f"capacity {capacity}: its samples {list(restored)} were restored from the loader "
+            "checkpoint, in a pack planned when the checkpoint was saved, so the checkpoint "
+            f"was saved with a larger capacity (or other padding) than {capacity}: restore it "
+            "with the capacity and padding it was saved with"
+        )
+        raise FatalSampleError(str(err)) from err
     err = EnergonConfigError(
-        f"{encoder} built a pack of {length} positions from samples "
+        f"{type(encoder).__name__} built a pack of {length} positions from samples "
         f"{keys} (planned: {planned}), over capacity {capacity}: pack_length must be the "
         f"positions build_pack gives each sample (padding included), and plan_packs must "
         f"keep each pack's pack_length total within the capacity"

@@ -19,15 +19,20 @@ clear error instead of training on nothing or looping forever.
 * Finite failure tolerance (`check_hooks`, `stateless_with_tolerance`): Energon reads a tolerance
   of 0 as "never stop", and re-runs some hooks when it restores a checkpoint (those must be
   ``@stateless``); both are checked when the task encoder is built, not after a resume.
+* Seeds (`seeded`, and `stateless_with_tolerance` with ``restore_seeds=True``): randomness in a
+  hook is seeded from the loader's own state, never from what ran before in the process.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+import functools
+import inspect
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, TypeVar
 
-from megatron.energon import SkipSample, stateless
+from megatron.energon import SkipSample, WorkerConfig, stateless
 from megatron.energon.errors import FatalSampleError
+from megatron.energon.rng import SystemRng
 from megatron.energon.task_encoder.base import get_failure_tolerance, get_stateless
 
 from mmpack.energon.config import KNOWN_MODALITIES, PackingEncoderConfig
@@ -41,10 +46,13 @@ from mmpack.errors import (
 )
 
 __all__ = [
+    "OTHER_HOOKS",
+    "RESTORED_HOOKS",
     "ConsecutiveSkipGuard",
     "check_conversation",
     "check_hooks",
     "check_sample",
+    "seeded",
     "stateless_with_tolerance",
 ]
 
@@ -54,10 +62,86 @@ F = TypeVar("F", bound=Callable[..., Any])
 SkipFn = Callable[[Any, str, str], SkipSample]
 
 
+#: Hooks Energon re-runs when it restores a checkpoint (must be @stateless, finite tolerance).
+RESTORED_HOOKS = (
+    "cook_crude_sample",
+    "preencode_sample",
+    "postencode_sample",
+    "pack_selected_samples",
+    "batch",
+)
+#: Hooks that only need a finite failure tolerance.
+OTHER_HOOKS = ("select_samples_to_pack", "encode_batch")
+
+
+def seeded(fn: F) -> F:
+    """``@stateless(restore_seeds=True)`` whose seed depends only on the loader's state.
+
+    Energon's wrapper seeds torch, numpy and ``random`` from (worker seed,
+    ``current_sample_index``) around each call, but reads the worker seed once, at the first
+    call of the decorated function in the process, and keeps it for every later call, whatever
+    loader, worker, rank or ``seed_offset`` makes it (forked workers inherit it). So one batch
+    taken earlier in the process (a dry run, a validation loader with 0 workers) changes what
+    every later loader's workers draw, and a run restored in a fresh process does not continue
+    as the uninterrupted one. This wrapper reads the active worker config's seed at every call:
+    the same seeds as Energon's in a process where nothing ran before, and no others. Generator
+    hooks are seeded as Energon seeds them (the hook's own random state is kept between its
+    items, the caller's restored around each).
+    """
+    if inspect.isgeneratorfunction(fn):
+
+        @functools.wraps(fn)
+        def seeded_generator(self: Any, *args: Any, **kwargs: Any) -> Iterator[Any]:
+            outer = SystemRng.save_state()
+            SystemRng.seed_args(_worker_seed(), self.current_sample_index)
+            inner = None
+            it = iter(fn(self, *args, **kwargs))
+            while True:
+                if inner is not None:
+                    SystemRng.restore_state(inner)
+                try:
+                    item = next(it)
+                    inner = SystemRng.save_state()
+                except StopIteration:
+                    return
+                finally:
+                    SystemRng.restore_state(outer)
+                yield item
+                outer = SystemRng.save_state()
+
+        seeded_generator.__stateless__ = True  # type: ignore[attr-defined]
+        return seeded_generator  # type: ignore[return-value]
+
+    @functools.wraps(fn)
+    def seeded_call(self: Any, *args: Any, **kwargs: Any) -> Any:
+        outer = SystemRng.save_state()
+        SystemRng.seed_args(_worker_seed(), self.current_sample_index)
+        try:
+            return fn(self, *args, **kwargs)
+        finally:
+            SystemRng.restore_state(outer)
+
+    seeded_call.__stateless__ = True  # type: ignore[attr-defined]
+    return seeded_call  # type: ignore[return-value]
+
+
+def _worker_seed() -> int:
+    """The seed of the worker running now (from its rank, worker id and ``seed_offset``; the
+    worker that made a sample while Energon restores it)."""
+    config = WorkerConfig.active_worker_config
+    if config is None:
+        raise EnergonConfigError(
+            "a seeded hook ran outside an active Energon worker (no WorkerConfig is active): "
+            "call it from a loader, or activate one (WorkerConfig.worker_activate)"
+        )
+    return config.worker_seed()
+
+
 def stateless_with_tolerance(
     *, restore_seeds: bool = False, failure_tolerance: int | None = None
 ) -> Callable[[F], F]:
-    """``@stateless(restore_seeds=..., failure_tolerance=...)`` that keeps the tolerance.
+    """``@stateless(restore_seeds=..., failure_tolerance=...)`` that keeps the tolerance, and
+    with ``restore_seeds`` seeds as `seeded` does (from the loader's state only).
 
     Energon 7.4's ``stateless`` returns its ``restore_seeds`` wrapper before it records
     ``failure_tolerance``, so ``@stateless(restore_seeds=True, failure_tolerance=N)`` silently
@@ -81,7 +165,7 @@ def stateless_with_tolerance(
             else stateless(fn)
         )
         if restore_seeds:
-            return stateless(inner, restore_seeds=True)
+            return seeded(inner)
         return inner
 
     return decorate

@@ -1,23 +1,34 @@
 """Counters shared by the loader's worker processes: samples seen, skipped (per reason),
-failed (per exception type), packed, media decoded. Energon forks its workers
-(``multiprocessing_context="fork"``), so `multiprocessing` arrays created with the task encoder,
-before the loader starts, are shared by every worker and read by the main process.
+failed (per exception type), dropped (per reason), packed, media decoded. Energon forks its
+workers (``multiprocessing_context="fork"``), so `multiprocessing` arrays created with the task
+encoder, before the loader starts, are shared by every worker and read by the main process.
 
-Skip reasons are a fixed set; failure reasons are exception type names, known only when they
-happen, so they live in a fixed table of ``FAILURE_SLOTS`` (name, count) slots claimed on first
-use, under the counters' lock. Past ``FAILURE_SLOTS - 1`` distinct types the rest are counted
-under ``"<other>"``, so the total stays exact.
+Skip and drop reasons are fixed sets; failure reasons are exception type names, known only when
+they happen, so they live in a fixed table of ``FAILURE_SLOTS`` (name, count) slots claimed on
+first use, under the counters' lock. Past ``FAILURE_SLOTS - 1`` distinct types the rest are
+counted under ``"<other>"``, so the total stays exact.
+
+Each sample is counted once, in the end it meets: ``packed`` when its batch is built (the
+trainer gets it), ``skipped`` by policy, ``failed`` when a hook raises on it (a failed pack or
+batch counts all its members, and only there), ``dropped`` when the loader throws it away
+unbuilt (``batch_drop_last``: a worker's last short batch). So "samples in = packed + skipped +
+failed + dropped" holds for a run that drains its buffers (an epoch, the demo); mid-run the
+difference is the samples still in flight (in the shuffle and packing buffers, in a batch being
+filled).
 
 Each data-parallel rank has its own encoder and counters; `LoaderStats.global_snapshot` sums
 them over the ranks of ``torch.distributed`` (`combine_snapshots` sums snapshots given by hand),
-so "samples in = packed + skipped + failed" can be checked for the whole job.
+so the balance can be checked for the whole job.
 
 The counters are statistics of one loader run, not training state, so they are not part of a
-loader checkpoint. "Samples in = packed + skipped + failed" holds for a run that drains its
-buffers (an epoch, the demo). A run restored from a checkpoint starts from zero and re-reads the
-samples that were buffered, not yet packed, at the save; it counts them as seen (they are packed
-in this run), so adding the counts of the saved and the restored run counts those samples twice.
-Saving the counters in the checkpoint would not remove that double count, only move it.
+loader checkpoint. Restoring one, Energon redoes work that was counted before the save: it
+re-creates the samples the saved buffers held (``restore_sample``) and, with workers, replays
+each worker from its last internal checkpoint to the save (``checkpoint_every_sec``), throwing
+the replayed batches away. None of that is counted (`LoaderStats.muted`), so a restored run
+counts exactly what happens after the save, and the counts of the saved run up to the save plus
+those of the restored run are those of the uninterrupted run: nothing is counted twice. (With
+workers, the saved run's own counters also hold the batches its workers had prepared ahead of
+the trainer, ``prefetch_factor`` per worker, which the restored run prepares again.)
 """
 
 from __future__ import annotations
@@ -29,7 +40,14 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-__all__ = ["FAILURE_SLOTS", "SKIP_REASONS", "LoaderStats", "combine_snapshots"]
+__all__ = [
+    "DROP_REASONS",
+    "FAILURE_SLOTS",
+    "SKIP_REASONS",
+    "LoaderStats",
+    "combine_snapshots",
+    "counting_handler",
+]
 
 logger = logging.getLogger("mmpack.energon")
 
@@ -42,18 +60,25 @@ SKIP_REASONS = (
     "media_over_budget",
     "undeclared_modality",
 )
+#: Why the loader throws samples away unbuilt (each counted): ``batch_drop_last`` drops the last
+#: short batch of packs (or of samples, without packing) of each worker.
+DROP_REASONS = ("batch_drop_last",)
 _OTHER = (
     "seen",
     "encoded",
-    "packed",
-    "packs",
+    "packed",  # samples in built batches of packs
+    "packs",  # packs in built batches
     "decoded",
     "empty_pack",
-    "padded",
+    "padded",  # samples in built batches of padded rows (packing off)
     "select_ns",  # time inside the packer (select_samples_to_pack)
     "build_ns",  # time inside the batch builder (pack_samples / padding)
 )
-_FIELDS = (*_OTHER, *(f"skipped:{r}" for r in SKIP_REASONS))
+_FIELDS = (
+    *_OTHER,
+    *(f"skipped:{r}" for r in SKIP_REASONS),
+    *(f"dropped:{r}" for r in DROP_REASONS),
+)
 _INDEX = {name: i for i, name in enumerate(_FIELDS)}
 
 #: Distinct failure reasons (exception type names) counted apart, the last one "<other>".
@@ -71,9 +96,34 @@ class LoaderStats:
         # failure slot names, guarded by the lock of `_values` (which holds their counts)
         self._failure_names = ctx.RawArray("c", FAILURE_SLOTS * _NAME_BYTES)
         self.failures: list[str] = []  # per-process detail (sample keys): complete with 0 workers
+        # per process (each worker has its copy): how deep in re-creating restored samples
+        self._restoring = 0
+
+    @contextlib.contextmanager
+    def restoring(self) -> Iterator[None]:
+        """Nothing is counted in the ``with`` body: Energon re-creates samples of a checkpoint
+        (or a batch, ``loader.restore_sample``) whose fate was counted when they were read."""
+        self._restoring += 1
+        try:
+            yield
+        finally:
+            self._restoring -= 1
+
+    @property
+    def is_restoring(self) -> bool:
+        """Whether this process is re-creating samples of a checkpoint right now."""
+        return self._restoring > 0
+
+    def muted(self) -> bool:
+        """Whether counts are dropped right now: while Energon re-creates restored samples
+        (`restoring`) or replays a worker from its internal checkpoint to the saved position
+        (those batches are computed again, then thrown away)."""
+        return self._restoring > 0 or _replaying()
 
     def add(self, name: str, amount: int = 1) -> None:
         index = _INDEX[name]
+        if self.muted():
+            return
         with self._values.get_lock():
             self._values[index] += amount
 
@@ -87,8 +137,15 @@ class LoaderStats:
     def skip(self, reason: str) -> None:
         self.add(f"skipped:{reason}")
 
+    def drop(self, reason: str, amount: int = 1) -> None:
+        """Counts ``amount`` samples the loader threw away unbuilt, under ``reason`` (one of
+        `DROP_REASONS`)."""
+        self.add(f"dropped:{reason}", amount)
+
     def fail(self, reason: str, amount: int = 1) -> None:
         """Counts ``amount`` failed samples under ``reason`` (an exception type name)."""
+        if self.muted():
+            return
         key = reason.encode("utf-8", "replace")[:_NAME_BYTES] or b"?"
         names = self._failure_names
         with self._values.get_lock():
@@ -111,16 +168,19 @@ class LoaderStats:
         self.failures.clear()
 
     def snapshot(self) -> dict[str, Any]:
-        """Counts now: ``seen``, ``encoded``, ``packed`` (samples delivered in packs), ``packs``,
-        ``decoded``, ``skipped`` (dict reason -> count), ``skipped_total``,
-        ``failed_by_reason`` (dict exception type name -> count, in order of first failure)
-        and ``failed`` (their sum)."""
+        """Counts now: ``seen``, ``encoded``, ``packed`` (samples in built batches of packs),
+        ``packs``, ``padded`` (samples in built batches of padded rows), ``decoded``,
+        ``skipped`` (dict reason -> count), ``skipped_total``, ``dropped`` (dict reason ->
+        count, `DROP_REASONS`), ``dropped_total``, ``failed_by_reason`` (dict exception type
+        name -> count, in order of first failure) and ``failed`` (their sum)."""
         with self._values.get_lock():
             values = [int(v) for v in self._values[:]]
             names = self._failure_names.raw
         out: dict[str, Any] = {name: values[_INDEX[name]] for name in _OTHER}
         out["skipped"] = {r: values[_INDEX[f"skipped:{r}"]] for r in SKIP_REASONS}
         out["skipped_total"] = sum(out["skipped"].values())
+        out["dropped"] = {r: values[_INDEX[f"dropped:{r}"]] for r in DROP_REASONS}
+        out["dropped_total"] = sum(out["dropped"].values())
         *counts, other = values[len(_FIELDS) :]
         failed = {
             _slot_name(names, i).decode("utf-8", "replace"): n for i, n in enumerate(counts) if n
@@ -149,36 +209,68 @@ class LoaderStats:
     ) -> Callable[[Exception, Any, Any], None]:
         """An Energon ``global_error_handler`` that counts failed samples by exception type (a
         failed pack or batch counts all its members), logs one line, then calls `inner` (e.g.
-        Energon's ``log_exception`` or ``reraise_exception``) if given."""
+        Energon's ``log_exception`` or ``reraise_exception``) if given. A batch that fails
+        after it was built (in ``encode_batch``) moves its samples from ``packed`` (or
+        ``padded``) to failed. While `muted`, a failure was counted when it first happened:
+        it is only logged at debug level."""
 
         def handler(err: Exception, sample: Any, sources: Any = None) -> None:
             n = _count_samples(sample)
-            self.fail(type(err).__name__, n)
             key = _describe(sample)
-            self.failures.append(f"{key}: {type(err).__name__}: {err}")
-            logger.warning(
-                "sample %s failed (%d sample(s) dropped): %s: %s", key, n, type(err).__name__, err
-            )
+            if self.muted():
+                logger.debug("sample %s failed again while Energon restores: %s", key, err)
+            else:
+                self.fail(type(err).__name__, n)
+                built = _built_as(sample)
+                if built is not None:
+                    self.add(built, -n)
+                    if built == "packed":
+                        self.add("packs", -len(sample.packs))
+                self.failures.append(f"{key}: {type(err).__name__}: {err}")
+                logger.warning(
+                    "sample %s failed (%d sample(s) dropped): %s: %s",
+                    key,
+                    n,
+                    type(err).__name__,
+                    err,
+                )
             if inner is not None:
                 inner(err, sample, sources)
 
+        # what `counting_handler` reads to wrap a worker config's handler only once
+        handler.__mmpack_stats__ = self  # type: ignore[attr-defined]
+        handler.__wrapped__ = inner  # type: ignore[attr-defined]
         return handler
+
+
+def counting_handler(stats: LoaderStats, handler: Callable[..., None] | None) -> Callable[..., Any]:
+    """`handler` made to count failures in `stats` first (`LoaderStats.error_handler`): itself
+    when it already counts in `stats`; another encoder's counting handler is unwrapped first, so
+    that no failure is counted by two encoders."""
+    if getattr(handler, "__mmpack_stats__", None) is stats:
+        return handler  # type: ignore[return-value]
+    while getattr(handler, "__mmpack_stats__", None) is not None:
+        handler = handler.__wrapped__  # type: ignore[union-attr]
+    return stats.error_handler(handler)
 
 
 def combine_snapshots(snapshots: Iterable[dict[str, Any]]) -> dict[str, Any]:
     """The sum of `LoaderStats.snapshot` results (of several ranks): counts add, per-reason
-    skips and failures add by reason (failure reasons in order of first appearance)."""
+    skips, drops and failures add by reason (failure reasons in order of first appearance)."""
     out: dict[str, Any] = {name: 0 for name in _OTHER}
     out["skipped"] = dict.fromkeys(SKIP_REASONS, 0)
+    out["dropped"] = dict.fromkeys(DROP_REASONS, 0)
     failed: dict[str, int] = {}
     for snap in snapshots:
         for name in _OTHER:
             out[name] += int(snap.get(name, 0))
-        for reason, n in snap.get("skipped", {}).items():
-            out["skipped"][reason] = out["skipped"].get(reason, 0) + int(n)
+        for field in ("skipped", "dropped"):
+            for reason, n in snap.get(field, {}).items():
+                out[field][reason] = out[field].get(reason, 0) + int(n)
         for reason, n in snap.get("failed_by_reason", {}).items():
             failed[reason] = failed.get(reason, 0) + int(n)
     out["skipped_total"] = sum(out["skipped"].values())
+    out["dropped_total"] = sum(out["dropped"].values())
     out["failed_by_reason"] = failed
     out["failed"] = sum(failed.values())
     return out
@@ -208,3 +300,31 @@ def _describe(sample: Any) -> str:
     if isinstance(sample, dict):
         return str(sample.get("__key__", "?"))
     return str(getattr(sample, "__key__", type(sample).__name__))
+
+
+def _built_as(sample: Any) -> str | None:
+    """The counter a failed object was already counted in: a built batch (an ``encode_batch``
+    that fails after ``batch``) counts its samples as ``packed`` or ``padded``."""
+    from mmpack.energon.samples import SftBatch
+
+    if isinstance(sample, SftBatch):
+        return "packed" if sample.packs is not None else "padded"
+    return None
+
+
+def _replaying() -> bool:
+    """Whether this loader worker is replaying batches Energon throws away: after a checkpoint
+    restore, each worker restarts from its last internal checkpoint and computes (then skips)
+    the batches it had delivered between that checkpoint and the save. Read from Energon's
+    worker wrapper (``SavableDatasetWrapper``), the dataset of this worker process."""
+    from torch.utils.data import get_worker_info
+
+    info = get_worker_info()
+    if info is None:
+        return False
+    dataset = info.dataset
+    skips = getattr(dataset, "_workers_skip_samples", None)
+    worker = getattr(dataset, "_worker_id", None)
+    if skips is None or worker is None:
+        return False
+    return bool(skips[worker] > 0)

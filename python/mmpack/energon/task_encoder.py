@@ -12,9 +12,23 @@ at construction (`mmpack.energon.decoders`), and checks that each item takes the
 encoded with) -> ``pack_selected_samples`` (one `PackedBatch`) -> ``batch``.
 
 Checkpointing: every hook Energon re-runs on restore is ``@stateless``; randomness may only come
-from ``@stateless(restore_seeds=True)`` (``select_samples_to_pack`` derives the packer's seed from
-it). The only mutable state is statistics (`LoaderStats`) and the per-worker consecutive-skip
-guard, neither of which changes what is produced.
+from `mmpack.energon.policy.seeded` (or ``stateless_with_tolerance(restore_seeds=True)``), seeded
+from the loader's state at every call (``select_samples_to_pack`` derives the packer's seed from
+it). Energon's own ``@stateless(restore_seeds=True)`` keeps the worker seed of its first call in
+the process, so one earlier loader (a dry run, a validation loader) would change every pack.
+The only mutable state is statistics (`LoaderStats`), the per-worker consecutive-skip guard and
+the keys of the samples restored from a checkpoint and not yet packed (to name the
+checkpoint when they no longer fit), none of which changes what is produced. A sample restored
+from a checkpoint that this encoder's policy refuses, or a pack planned before the save that no
+longer fits ``capacity``, means the checkpoint was saved with another config: the job stops
+with an error that says so.
+
+Accounting (`mmpack.energon.stats`): samples are counted ``packed`` when their batch is built
+(``batch``), so a batch that fails counts its samples only as failed, and with
+``batch_drop_last`` the last short batch of each worker is dropped by the encoder itself and
+counted under ``dropped`` (Energon would drop it without a trace). The encoder's datasets count
+failures whatever ``WorkerConfig`` the loader gets (`mmpack.energon.loader.counting_failures`),
+and nothing Energon redoes to restore a checkpoint is counted.
 
 Failures (`mmpack.energon.policy`): Energon's failure tolerance is set per instance from the
 config (finite; 0 is rejected). Policy skips raise ``SkipSample`` and are counted per reason;
@@ -33,6 +47,7 @@ from megatron.energon import DefaultTaskEncoder, SkipSample, stateless
 from mmpack import PackedTensor
 from mmpack.batch import EncodedSample, PackedBatch, pack_samples
 from mmpack.batch.padded import PaddedBatch, pad_samples
+from mmpack.energon.accounted_datasets import AccountedDatasets
 from mmpack.energon.config import PackingEncoderConfig
 from mmpack.energon.conversation_encoder import (
     BUILTIN_ENCODERS,
@@ -41,6 +56,7 @@ from mmpack.energon.conversation_encoder import (
 )
 from mmpack.energon.cookers import default_cookers
 from mmpack.energon.decoders import BuiltinDecoder, MediaDecoder, PackMedia
+from mmpack.energon.loader import refused_on_restore
 from mmpack.energon.markup import tokenize
 from mmpack.energon.packing_checks import (
     check_buffer_lengths,
@@ -52,10 +68,13 @@ from mmpack.energon.packing_checks import (
     probe_packer,
 )
 from mmpack.energon.policy import (
+    OTHER_HOOKS,
+    RESTORED_HOOKS,
     ConsecutiveSkipGuard,
     check_conversation,
     check_hooks,
     check_sample,
+    seeded,
 )
 from mmpack.energon.samples import Conversation, EncodedConversation, SftBatch, SftPack
 from mmpack.energon.stats import LoaderStats
@@ -66,7 +85,9 @@ from mmpack.packing import pack
 __all__ = ["PackingTaskEncoder"]
 
 
-class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, SftPack, SftBatch]):
+class PackingTaskEncoder(
+    AccountedDatasets, DefaultTaskEncoder[Conversation, EncodedConversation, SftPack, SftBatch]
+):
     """Packing task encoder for multimodal SFT. Subclass and override `encode_conversation` to
     change how a conversation becomes tokens; everything else (packing, masks, media, failure
     handling, checkpoint rules) is shared.
@@ -100,15 +121,9 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
     packer_name: ClassVar[str] = "mmpack.packing.pack"
 
     #: Hooks Energon re-runs when it restores a checkpoint (must be @stateless, finite tolerance).
-    RESTORED_HOOKS = (
-        "cook_crude_sample",
-        "preencode_sample",
-        "postencode_sample",
-        "pack_selected_samples",
-        "batch",
-    )
+    RESTORED_HOOKS: ClassVar[tuple[str, ...]] = RESTORED_HOOKS
     #: Hooks that only need a finite failure tolerance.
-    OTHER_HOOKS = ("select_samples_to_pack", "encode_batch")
+    OTHER_HOOKS: ClassVar[tuple[str, ...]] = OTHER_HOOKS
 
     def __init__(
         self,
@@ -171,6 +186,8 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
         )
         self.stats = LoaderStats()
         self._skip_guard = ConsecutiveSkipGuard(self.stats, cfg.max_consecutive_skips)
+        # per process: keys of samples re-created from a checkpoint and not yet packed
+        self._restored_keys: set[str] = set()
         # media decoded for the pack (or padded batch) being built: decoded once per pack
         self._pack_media = PackMedia(cfg.modalities, by_content=cfg.media_identity == "content")
 
@@ -211,7 +228,11 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
 
     def _skip(self, sample: Any, reason: str, detail: str) -> SkipSample:
         """Count a policy skip of `sample` and return the ``SkipSample`` to raise; raises
-        `FatalSampleError` when ``max_consecutive_skips`` samples in a row were skipped."""
+        `FatalSampleError` when ``max_consecutive_skips`` samples in a row were skipped, and
+        `EnergonConfigError` for a sample Energon re-creates from a loader checkpoint (it passed
+        the policy of the encoder that saved it: that encoder's config differs)."""
+        if self.stats.is_restoring:
+            raise refused_on_restore(sample, reason, detail, capacity=self.config.capacity)
         return self._skip_guard.skip(sample, reason, detail)
 
     def check_conversation(self, conversation: Conversation) -> None:
@@ -272,10 +293,8 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
         self.stats.add("seen")
         return super().cook_crude_sample(sample, *args, **kwargs)
 
-    # Deterministic, so plain @stateless: a subclass that adds randomness (augmentation) must
-    # decorate its override with @stateless(restore_seeds=True). (restore_seeds is not free:
-    # Energon saves and restores the torch/numpy/python RNG states around every call, about
-    # 1 ms per sample in a CPU worker.)
+    # Deterministic, so plain @stateless: an override that adds randomness (augmentation) must
+    # be `mmpack.energon.policy.seeded` (not free: about 1 ms per sample in a CPU worker).
     @stateless
     def preencode_sample(self, sample: Conversation) -> EncodedConversation:
         self.check_conversation(sample)
@@ -288,9 +307,11 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
         self.check_policy(sample, encoded)
         self._skip_guard.passed()
         self.stats.add("encoded")
+        if self.stats.is_restoring:
+            self._restored_keys.add(encoded.__key__)
         return encoded
 
-    @stateless(restore_seeds=True)
+    @seeded  # from (worker seed, call index), not Energon's seed cache: see `policy.seeded`
     def select_samples_to_pack(
         self, samples: list[EncodedConversation]
     ) -> list[list[EncodedConversation]]:
@@ -304,10 +325,8 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
             media = np.fromiter(
                 (s.media_units for s in samples), dtype=np.int64, count=len(samples)
             )
-        # seeded by Energon from (worker seed, call index): restorable
-        seed = random.getrandbits(63)
         with self.stats.timed("select_ns"):
-            packing = self.plan_packs(lengths, media, seed=seed)
+            packing = self.plan_packs(lengths, media, seed=random.getrandbits(63))
         return packs_of(samples, packing)
 
     @stateless
@@ -341,20 +360,23 @@ class PackingTaskEncoder(DefaultTaskEncoder[Conversation, EncodedConversation, S
             # was already counted by the error handler): nothing to pack.
             self.stats.add("empty_pack")
             raise SkipSample("empty pack: every member failed in postencode_sample")
+        restored = [s.__key__ for s in samples if s.__key__ in self._restored_keys]
+        self._restored_keys.difference_update(restored)
         with self.stats.timed("build_ns"):
             packed = self.build_pack(samples)
-        capacity = self.config.capacity
-        check_pack_length(type(self).__name__, packed, samples, capacity, self.pack_length)
-        self.stats.add("packed", len(samples))
-        self.stats.add("packs")
-        return SftPack.of(samples, packed, capacity)
+        check_pack_length(self, packed, samples, restored=restored)
+        # counted as packed when their batch is built (`batch`)
+        return SftPack.of(samples, packed, self.config.capacity)
 
     @stateless
     def batch(self, samples: list[Any]) -> SftBatch:
         # without packing the members of a padded batch share the cache instead of a pack's
         self._pack_media.clear()
         if samples and isinstance(samples[0], SftPack):
-            return SftBatch.of_packs(samples)
+            batch = SftBatch.of_packs(samples)
+            self.stats.add("packed", len(batch.sample_keys))
+            self.stats.add("packs", len(samples))
+            return batch
         with self.stats.timed("build_ns"):
             padded = self.build_padded(samples)
         self.stats.add("padded", len(samples))
