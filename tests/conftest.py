@@ -63,6 +63,7 @@ def ray_session() -> Iterator[Any]:
     import ray
 
     ray.init(
+        address="local",  # never a cluster that happens to run on this machine
         num_cpus=2,
         include_dashboard=False,
         log_to_driver=False,

@@ -22,3 +22,12 @@ def ray_store_on(ray_session: Any, request: pytest.FixtureRequest) -> Iterator[A
         yield ray_session
     finally:
         ray_store.enable(was_on)
+
+
+@pytest.fixture
+def tiny_segments_in_the_store(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Segments of any size through the object store, as large ones go (the suites that use it
+    keep their tensors tiny for speed; inline segments have their own tests)."""
+    from mmpack.packed.ray_store import writing
+
+    monkeypatch.setattr(writing, "INLINE_BELOW", 0)

@@ -30,7 +30,7 @@ SHARDS = 8
 STARTUP_PTH = Path(mmpack.__file__).resolve().parent.parent / "mmpack_startup.pth"
 
 
-pytestmark = pytest.mark.usefixtures("ray_store_on")
+pytestmark = pytest.mark.usefixtures("ray_store_on", "tiny_segments_in_the_store")
 
 
 def store_used() -> float:
@@ -112,7 +112,7 @@ def test_put_once_read_in_place_and_back_to_baseline() -> None:
     results = ray.get([read_shard.remote(s) for s in shards], timeout=120)
     assert counters.put_bytes == unique
     assert counters.put_segments == len(batch.tensors)
-    assert counters.put_objects == 1  # the first shard holds every prompt's images
+    assert counters.put_objects == 1  # the first shard holds every prompt's images (one node)
     # a second round of the same shards (and a ray.put of the whole batch) puts nothing more
     ray.get([read_shard.remote(s) for s in shards], timeout=120)
     batch_ref = ray.put(batch)

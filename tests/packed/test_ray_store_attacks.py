@@ -25,7 +25,7 @@ from mmpack.packed.ray_store import put_table, switch
 ROOT = Path(__file__).resolve().parents[2]
 
 
-pytestmark = pytest.mark.usefixtures("ray_store_on")
+pytestmark = pytest.mark.usefixtures("ray_store_on", "tiny_segments_in_the_store")
 
 
 def _remote_as_tensor() -> Any:
@@ -410,8 +410,10 @@ def test_the_default_cap_is_half_the_nodes_object_store() -> None:
 RECONNECT = """
 import ray, torch
 from mmpack.packed import PackedTensor, ray_store
+from mmpack.packed.ray_store import writing
+writing.INLINE_BELOW = 0  # these tiny segments through the store
 ray_store.enable(True)
-kw = dict(num_cpus=1, include_dashboard=False, log_to_driver=False,
+kw = dict(address="local", num_cpus=1, include_dashboard=False, log_to_driver=False,
           object_store_memory=80 * 2**20)
 t = torch.full((4, 3), 5.0)
 value = PackedTensor([t], 0)

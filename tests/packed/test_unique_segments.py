@@ -469,7 +469,7 @@ def test_read_in_place_from_the_ray_store(case: Any, k: int) -> None:
         assert torch.equal(moved.as_tensor(), before)
 
 
-@pytest.mark.usefixtures("ray_store_on")
+@pytest.mark.usefixtures("ray_store_on", "tiny_segments_in_the_store")
 def test_store_views_are_read_in_place_and_never_aliased() -> None:
     import ray
 

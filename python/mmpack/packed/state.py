@@ -11,8 +11,13 @@ write it.
 The state:
 
 * ``segments``: the physical segments, in slot order (``None`` for "no media"). Tensors, or,
-  for a value read in place from Ray's object store (``read_in_place``), read-only store views:
-  objects with ``read_in_place = True`` and a ``private()`` method that returns a writable copy.
+  for a value read in place from Ray's object store (``read_in_place``), read-only store views
+  (among tensors sent inline beside them): objects with ``read_in_place = True``, a
+  ``private()`` method that returns a new writable copy, ``claim()``, the one writable copy
+  that every value holding the view shares (a view stands for one tensor, as the sender's
+  segment did), and ``current()``, what a sender must send for it (the view, or its claimed
+  copy once written into). A view's bytes may be read only when first used (an async actor's
+  arguments, see ``mmpack.packed.ray_store``).
 * ``layout``: the native row layout (``mmpack._native.PackedLayout``: CSR row offsets and
   segment indices, provenance ids), or ``None`` for NeMo-RL's legacy layout (row ``r`` is
   segment ``r``).
@@ -37,6 +42,7 @@ __all__ = [
     "PackedState",
     "check",
     "corrupt",
+    "current_segments",
     "layout_misfit",
     "private_segments",
     "refuse_extra",
@@ -64,20 +70,34 @@ class PackedState(NamedTuple):
     read_in_place: bool = False
 
 
-def private_segments(segments: list[Any]) -> list[Any]:
-    """``segments`` with every store view replaced by its private copy (a view listed twice is
-    copied once, and both slots get the same tensor)."""
+def private_segments(segments: list[Any], *, claim: bool = False) -> list[Any]:
+    """``segments`` with every store view replaced by a private copy (a view listed twice is
+    copied once, and both slots get the same tensor). ``claim``: the view's shared copy, made
+    once for every value that holds the view (a value's ``tensors``); otherwise its shared copy
+    if one was made, else a new one nothing keeps (what a plain pickle writes)."""
     copies: dict[int, Any] = {}
     out: list[Any] = []
     for s in segments:
         if getattr(s, "read_in_place", False) is True:
             c = copies.get(id(s))
             if c is None:
-                c = copies[id(s)] = s.private()
+                if claim:
+                    c = s.claim()
+                else:
+                    c = getattr(s, "claimed", None)
+                    if c is None:
+                        c = s.private()
+                copies[id(s)] = c
             out.append(c)
         else:
             out.append(s)
     return out
+
+
+def current_segments(segments: list[Any]) -> list[Any]:
+    """``segments`` (store views among them) as a sender must send them: a view whose shared
+    copy was written into since it was made is that copy; the other views stay views."""
+    return [s.current() if getattr(s, "read_in_place", False) is True else s for s in segments]
 
 
 def refuse_shadowing(cls: type, attrs: dict[Any, Any], error: Callable[[str], Exception]) -> None:

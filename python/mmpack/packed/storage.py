@@ -8,7 +8,11 @@ attributes (plain ``__dict__`` entries, so that NeMo-RL code and pickles see wha
 * ``tensors``: the physical segments, a real Python list (``None`` for "no media");
 * ``_store``: instead of ``tensors``, the store views of a value read in place, until ``tensors``
   is first read, which turns them into private copies (so that no API that hands out a segment
-  can write into the store); a ``tensors`` list assigned since replaces them;
+  can write into the store); a ``tensors`` list assigned since replaces them. A view stands for
+  one tensor, as the segment it was sent for did: values that hold the same view (the values of
+  one received object that shared a segment, the slices, shards and shallow copies of a value)
+  get the same private copy, made once; a deep copy (without provenance) and values received
+  apart get their own. The first read is atomic across threads (see ``_PrivateTensors``);
 * ``_layout``: the immutable native handle (``mmpack._native.PackedLayout``: CSR row offsets
   over segment indices, per-segment provenance ids), ``None`` for NeMo-RL's legacy layout (row
   ``r`` is ``tensors[r]``). Missing on values built by ``__new__`` + ``__dict__`` assignment
@@ -30,6 +34,7 @@ from mmpack.packed.state import (
     VALUE_FIELDS,
     PackedState,
     check,
+    current_segments,
     private_segments,
 )
 
@@ -54,21 +59,34 @@ _new_object = object.__new__
 
 class _PrivateTensors:
     """``tensors`` of a value read in place (its store views in ``__dict__["_store"]``, see
-    ``mmpack.packed.state``): the first read replaces them with private copies, so that no API
-    that hands out a segment can write into the store. Values built any other way hold
-    ``tensors`` in their ``__dict__``, which takes precedence over this (non-data) descriptor."""
+    ``mmpack.packed.state``): the first read replaces them with the views' private copies, so
+    that no API that hands out a segment can write into the store. Values built any other way
+    hold ``tensors`` in their ``__dict__``, which takes precedence over this (non-data)
+    descriptor.
+
+    The first read is atomic: threads that race in it (a threaded or async actor's calls, a
+    prefetch thread) all get the one list the value keeps, so no thread's in-place writes are
+    lost. Each view makes its copy once (``claim()``, shared by every value that holds the
+    view), and the list is published with one ``dict.setdefault``: no lock on the value, so
+    nothing changes for pickling or after a fork."""
 
     def __get__(self, obj: Any, cls: Any = None) -> Any:
         if obj is None:
             return self
         d = obj.__dict__
         store = _store_views(obj)
-        if store is None:
-            raise AttributeError(f"{type(obj).__name__!r} object has no attribute 'tensors'")
-        tensors = private_segments(store)
-        d["tensors"] = tensors
+        if store is None:  # another thread published the list since the lookup missed it
+            tensors = d.get("tensors", _ABSENT)
+            if tensors is _ABSENT:
+                raise AttributeError(f"{type(obj).__name__!r} object has no attribute 'tensors'")
+            return tensors
+        tensors = private_segments(store, claim=True)
+        published = d.setdefault("tensors", tensors)  # the first thread's list wins
         d.pop("_store", None)
-        return tensors
+        return published
+
+
+_ABSENT: Any = object()
 
 
 def _store_views(obj: Any) -> list[Any] | None:
@@ -77,7 +95,7 @@ def _store_views(obj: Any) -> list[Any] | None:
     d = obj.__dict__
     store = d.get("_store")
     if store is not None and "tensors" in d:
-        del d["_store"]
+        d.pop("_store", None)  # another thread may drop them at the same time
         return None
     return store
 
@@ -175,7 +193,7 @@ class SegmentStorage:
         lay = self._lay()  # first: it turns NeMo-RL's raw fields into the handle
         store = _store_views(self) if in_place else None
         if store is not None:
-            segments = store
+            segments = current_segments(store)  # a view written through its copy: the copy
         else:
             segments = self._tensor_list() if in_place else self.tensors
         extra = {k: v for k, v in self.__dict__.items() if k not in VALUE_FIELDS}
@@ -246,8 +264,15 @@ class SegmentStorage:
         if lay is _MISSING:
             lay = self._lay()
         store = _store_views(self)
-        if store is not None:  # read-only views: the copy may share them
-            return self._make_store(list(store), self.dim_to_pack, self.pad_to_max_shape, lay)
+        if store is not None:
+            if lay is not None and lay.has_provenance:  # shared, as the tensors of one below
+                new = list(store)
+            else:  # views of their own (a view stands for one tensor, its claimed copy)
+                new = [
+                    s.twin() if getattr(s, "read_in_place", False) is True else deepcopy(s, memo)
+                    for s in store
+                ]
+            return self._make_store(new, self.dim_to_pack, self.pad_to_max_shape, lay)
         if lay is not None and lay.has_provenance:
             tensors = list(self.tensors)
         else:

@@ -250,9 +250,14 @@ class PackedTensor(SegmentStorage):
         ``mmpack.packed.transfer.move_segments``."""
         d = self.__dict__
         store = self._store_views()
-        d["tensors"] = _transfer.move_segments(
-            self.tensors if store is None else store, device, non_blocking=non_blocking
-        )
+        if store is None or torch.device(device).type != "cuda":
+            # a value read in place moves its views' shared copies, as a local value its tensors
+            d["tensors"] = _transfer.move_segments(self.tensors, device, non_blocking=non_blocking)
+            return self
+        moved = _transfer.move_segments(store, device, non_blocking=non_blocking)  # staged
+        published = d.setdefault("tensors", moved)
+        if published is not moved:  # another thread read ``tensors`` meanwhile: move those
+            d["tensors"] = _transfer.move_segments(published, device, non_blocking=non_blocking)
         d.pop("_store", None)
         return self
 

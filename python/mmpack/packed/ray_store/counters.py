@@ -13,11 +13,16 @@ class StoreCounters:
     """What this process wrote into and read from Ray's object store for packed media, since
     it started (or the last ``reset``)."""
 
+    #: objects put (a chunk each: one segment of at least ``INLINE_BELOW`` bytes)
     put_objects: int = 0
     put_bytes: int = 0
     put_segments: int = 0
     #: segments pickled as a reference to a chunk put earlier (by this process or another)
     reused_segments: int = 0
+    #: segments sent in the value's own bytes, as plain Ray sends them (smaller than
+    #: ``INLINE_BELOW``, or sent by a worker), and the bytes of those that are plain tensors
+    inline_segments: int = 0
+    inline_bytes: int = 0
     get_objects: int = 0
     get_bytes: int = 0
 
