@@ -391,21 +391,14 @@ def test_a_step_zero_checkpoint_is_restored(dataset: Any, tokenizer: Any, runs: 
 
 
 @pytest.mark.parametrize("workers", [0, 2])
-def test_a_state_saved_in_the_last_batches_restores_to_the_rest_of_the_epoch(
+def test_a_state_saved_after_the_last_batch_restores_to_the_next_epoch(
     dataset: Any, tokenizer: Any, runs: Any, workers: int
 ) -> None:
-    """``repeat=False``: saved one batch before the end (the sources have read the whole epoch,
-    a batch is still to come), the restored loader delivers that batch and ends the epoch
-    (Energon alone would deliver the epoch again); saved after the last batch, it starts the
-    next epoch, as the uninterrupted loader does."""
+    """``repeat=False``: saved after the epoch's last batch, the restored loader starts the next
+    epoch, as the uninterrupted loader does (a state saved in the last batches is Energon's
+    trap, documented at `restore_loader_state`)."""
     run = runs[workers]
-    last = len(run.batches)
-    after, counts = restored_run(dataset, tokenizer, workers, run.states[last - 1])
-    assert after == run.batches[-1:]
-    assert counts["packed"] == n_samples(after)
-    if workers == 0:
-        assert add(additive(run.counts[last - 1]), additive(counts)) == additive(run.final)
-    after, _ = restored_run(dataset, tokenizer, workers, run.states[last])
+    after, _ = restored_run(dataset, tokenizer, workers, run.states[len(run.batches)])
     assert after == run.next_epoch
 
 

@@ -21,6 +21,7 @@ from mmpack.energon import (
     make_worker_config,
     stateless_with_tolerance,
 )
+from mmpack.energon.policy import seeded
 from mmpack.errors import EnergonConfigError, TurnStructureError
 from mmpack_dev.synthetic import PATCH_SIZE, write_synthetic_dataset
 
@@ -222,6 +223,25 @@ def test_subclass_hooks_must_stay_stateless_and_finite(tokenizer: Any) -> None:
 
     with pytest.raises(EnergonConfigError, match="pack_selected_samples has failure_tolerance=0"):
         make_encoder(tokenizer, NeverStops)
+
+
+def test_a_hook_seeded_by_energons_cached_seed_is_refused(tokenizer: Any) -> None:
+    # Energon's restore_seeds wrapper keeps the seed of its first call in the process: packs
+    # would depend on what ran before, and a resume in a fresh process would differ
+    class EnergonSeeded(PackingTaskEncoder):
+        @stateless(restore_seeds=True)
+        def select_samples_to_pack(self, samples: Any) -> Any:
+            return super().select_samples_to_pack(samples)
+
+    with pytest.raises(EnergonConfigError, match=r"select_samples_to_pack is seeded by Energon"):
+        make_encoder(tokenizer, EnergonSeeded)
+
+    class OwnSeeded(PackingTaskEncoder):
+        @seeded
+        def select_samples_to_pack(self, samples: Any) -> Any:
+            return super().select_samples_to_pack(samples)
+
+    assert isinstance(make_encoder(tokenizer, OwnSeeded), OwnSeeded)
 
 
 # -- policy skips: counted, never an IndexError, and an all-skipped dataset stops -----------------

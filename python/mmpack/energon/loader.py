@@ -9,9 +9,8 @@
   run yet).
 - `restore_loader_state`: ``loader.restore_state_rank(state)`` with a clear error when the
   worker count differs (Energon only asserts), ``None`` (the state of a loader saved before its
-  first batch) passed through as Energon takes it, a source that had read its whole epoch at
-  the save kept finished (Energon would restart it: the restored loader would deliver the
-  epoch again), and the caller's state left as it was (Energon edits the state it restores).
+  first batch) passed through as Energon takes it, and the caller's state left as it was
+  (Energon edits the state it restores).
 - `restore_batch`: ``loader.restore_sample(key)`` for a packing encoder with
   ``postencode_sample`` (mmpack's), whose keys Energon's own call cannot read.
 - `mute_restores`: nothing is counted while Energon re-creates samples of a checkpoint.
@@ -22,8 +21,9 @@ Energon's own traps met through mmpack, and what holds here:
   first batch, waits forever: ``iter`` marks the workers started, but they start with the
   first ``next``, so no worker answers the save. `save_loader_state` returns the state there.
 - ``save_state_rank()`` after the loader's epoch ended (``StopIteration``) returns the state of
-  the epoch's end; restored, the loader starts the next epoch (a state saved in the epoch's
-  last batches restores to those batches, then the end; see `restore_loader_state`).
+  the epoch's end; restored, the loader starts the next epoch. A state saved in the epoch's
+  last batches with ``repeat=False`` restores sources that had read their share as the start
+  of a new epoch: the epoch is delivered again (left to Energon, see `restore_loader_state`).
 - ``loader.restore_sample(key)`` asserts in Energon's ``PackingDataset`` whenever the encoder
   has a ``postencode_sample``: use `restore_batch`.
 """
@@ -166,12 +166,11 @@ def restore_loader_state(loader: Any, state: Any) -> None:
     ``None`` is what a loader with workers saves before its first batch (a checkpoint at step
     0): passed to Energon, which starts from the beginning.
 
-    Energon saves no "finished" mark for a data source (``repeat=False``): a source that had
-    read its whole epoch share at the save, while batches of that epoch were still to come
-    (in its worker's buffers, or from another worker), restores as the start of a new epoch, so
-    the restored loader would deliver the epoch again. Such sources are restored finished (in
-    a copy of `state`): the loader delivers the rest of the epoch, then ends it, as the saved
-    one would have.
+    Energon saves no "finished" mark for a data source (``repeat=False``): a state saved while
+    an epoch's last batches were still to come, after a source had read its whole share,
+    restores that source as the start of a new epoch, so the restored loader delivers the
+    epoch again. That is left to Energon (the state alone does not tell every such case from a
+    correct one): save with ``repeat=True``, or after the epoch's ``StopIteration``.
 
     Energon takes the state's buffers over and edits them as it iterates; it gets a copy, so
     `state` can be restored again."""
@@ -186,7 +185,7 @@ def restore_loader_state(loader: Any, state: Any) -> None:
             f"num_workers={current}; Energon checkpoints hold one state per worker and can only "
             f"be restored with the same worker count (use num_workers={saved})"
         )
-    loader.restore_state_rank(_finished_sources_stay_finished(copy.deepcopy(state)))
+    loader.restore_state_rank(copy.deepcopy(state))
 
 
 def restore_batch(loader: Any, restore_key: Any) -> Any:
@@ -221,107 +220,6 @@ def _twice_prefixed_members(key: Any) -> Any:
         else:
             out.append(_twice_prefixed_members(item))
     return tuple(out)
-
-
-# ------------------------------------------------------------------ finished sources
-
-_SOURCE = "WebdatasetSampleLoaderDataset"
-
-
-def _finished_sources_stay_finished(state: Any) -> Any:
-    """`state` (edited in place) with each worker whose sources had read their whole epoch pass
-    while that pass was still being delivered having its sources marked finished (see
-    `restore_loader_state`)."""
-    from megatron.energon.savable_loader import SavableDatasetCheckpoint
-
-    workers = []
-    for ws in getattr(state, "worker_states", None) or []:
-        if isinstance(ws, SavableDatasetCheckpoint):
-            tree = ws.state.dataset_state if ws.state is not None else None
-        else:
-            tree = ws
-        workers.append(_source_pass(tree))
-    # a finished source stays finished while its pass is still delivered: from its own
-    # buffers, or by another worker still reading (or emptying its buffers of) that pass
-    to_finish = [
-        i
-        for i, (finished, pass_, holds) in enumerate(workers)
-        if finished
-        and (
-            holds
-            or any(j != i and p == pass_ and (not f or h) for j, (f, p, h) in enumerate(workers))
-        )
-    ]
-    for i in to_finish:
-        ws = state.worker_states[i]
-        tree = ws.state.dataset_state if isinstance(ws, SavableDatasetCheckpoint) else ws
-        for source in _sources(tree):
-            if _read_whole_pass(source):
-                # back to the end of its pass, not yet closed: no slice pending, none open (a
-                # pending list is saved, so it is read as is: the offset is then unused)
-                source["_pending_slice_indexes"] = []
-                source["_pending_slices_offset"] = 0
-                source["_epoch_count"] -= 1
-    return state
-
-
-def _source_pass(tree: Any) -> tuple[bool, int, bool]:
-    """(whether every source of a worker's state tree has read its whole pass, the pass it reads
-    or has read, whether the worker's buffers hold samples). A worker without a state (not
-    started) reads pass 0."""
-    if tree is None:
-        return False, 0, False
-    sources = list(_sources(tree))
-    if not sources:
-        return False, 0, False
-    holds = any(
-        isinstance(node, dict)
-        and node.get("__class__") == "SavableSampleBuffer"
-        and node.get("_restore_keys")
-        for node in _nodes(tree)
-    )
-    if all(_read_whole_pass(s) for s in sources):
-        return True, min(int(s["_epoch_count"]) for s in sources) - 1, holds
-    reading = [int(s["_epoch_count"]) for s in sources if not _read_whole_pass(s)]
-    return False, min(reading), holds
-
-
-def _read_whole_pass(source: dict[str, Any]) -> bool:
-    """A source's state right after its pass ended (identical to the start of the next one)."""
-    return (
-        int(source.get("_epoch_count") or 0) >= 1
-        and source.get("_pending_slices_offset") is None
-        and all(s is None for s in source.get("_active_slice_state") or [])
-    )
-
-
-def _sources(tree: Any) -> Iterator[dict[str, Any]]:
-    """The WebDataset source states of a dataset state tree that no ``RepeatDataset`` repeats
-    (a repeated source restarting is what repeating means)."""
-
-    def walk(node: Any, repeated: bool) -> Iterator[dict[str, Any]]:
-        if not isinstance(node, dict):
-            return
-        cls = node.get("__class__")
-        if cls == _SOURCE and not repeated:
-            yield node
-        repeated = repeated or cls == "RepeatDataset"
-        for child in node.get("datasets") or ():
-            yield from walk(child, repeated)
-
-    yield from walk(tree, False)
-
-
-def _nodes(tree: Any) -> Iterator[Any]:
-    """Every mapping in a state tree (datasets and their own savable fields)."""
-    todo = [tree]
-    while todo:
-        node = todo.pop()
-        if isinstance(node, dict):
-            yield node
-            todo.extend(node.values())
-        elif isinstance(node, (list, tuple)):
-            todo.extend(node)
 
 
 def refused_on_restore(sample: Any, reason: str, detail: str, *, capacity: int) -> Exception:

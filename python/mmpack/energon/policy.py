@@ -188,7 +188,15 @@ def check_hooks(
         if name in restored and not get_stateless(hook):
             problems.append(
                 f"{name} is not @stateless (Energon re-runs it on restore; use "
-                "@stateless, or @stateless(restore_seeds=True) if it uses randomness)"
+                "@stateless, or mmpack.energon.policy.seeded if it uses randomness)"
+            )
+        if _seeded_by_energon(hook):
+            problems.append(
+                f"{name} is seeded by Energon's @stateless(restore_seeds=True), which keeps the "
+                "worker seed of its first call in the process: a loader that ran before (a dry "
+                "run, a validation loader) changes what it draws, and a run restored in a fresh "
+                "process does not continue as the uninterrupted one; use "
+                "mmpack.energon.policy.seeded (or stateless_with_tolerance(restore_seeds=True))"
             )
         tolerance = get_failure_tolerance(hook, default_tolerance)
         if tolerance <= 0:
@@ -197,6 +205,20 @@ def check_hooks(
             )
     if problems:
         raise EnergonConfigError(f"{type(encoder).__name__}: " + "; ".join(problems))
+
+
+def _seeded_by_energon(hook: Any) -> bool:
+    """Whether `hook` (or a function it wraps) is Energon's ``restore_seeds`` wrapper, known by
+    the seed it caches in its closure."""
+    fn = getattr(hook, "__func__", hook)
+    for _ in range(16):  # a wrapper chain, not a cycle
+        code = getattr(fn, "__code__", None)
+        if code is not None and "worker_seed" in code.co_freevars:
+            return True
+        fn = getattr(fn, "__wrapped__", None)
+        if fn is None:
+            return False
+    return False
 
 
 class ConsecutiveSkipGuard:
