@@ -314,3 +314,27 @@ def test_a_chunk_remembers_the_session_it_was_read_in() -> None:
     (segment,) = received.__dict__["_store"]
     assert isinstance(segment, ray_store.StoreSegment)
     assert segment.chunk.session == put_table.session_table().session is not None
+
+
+@ray.remote
+def _edit_first(values: list[PackedTensor]) -> list[float]:
+    values[0].tensors[0][0, 0] = -1.0
+    return [float(v.as_tensor()[0, 0]) for v in values]
+
+
+@pytest.mark.parametrize("size", [64, 64 * 1024], ids=["inline", "chunk"])
+def test_views_received_apart_stay_apart_when_sent_on_together(size: int) -> None:
+    import copy
+
+    value = PackedTensor([torch.arange(float(size)).reshape(-1, 8)], 0)
+    ref = ray.put(value)
+    apart = [ray.get(ref), ray.get(ref)]  # two tensors on this side, as plain Ray gives
+    twin = ray.get(ref)
+    for pair in (apart, [twin, copy.deepcopy(twin)]):
+        back = ray.get(ray.put(pair))
+        back[0].tensors[0][0, 0] = -1.0
+        assert float(back[1].as_tensor()[0, 0]) == 0.0  # no edit shows through the other
+        assert ray.get(_edit_first.remote(pair)) == [-1.0, 0.0]
+    together = ray.get(ray.put([apart[0], apart[0].slice([0])]))  # one tensor: shared
+    together[0].tensors[0][0, 0] = -1.0
+    assert float(together[1].as_tensor()[0, 0]) == -1.0

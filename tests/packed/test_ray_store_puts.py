@@ -388,3 +388,58 @@ def test_the_inline_threshold_is_where_segments_start_going_to_the_store() -> No
     ray.get(ray.put(PackedTensor([below, at], 0)))
     assert counters.put_objects == 1 and counters.put_bytes == at.nbytes
     assert counters.inline_segments == 1 and counters.inline_bytes == below.nbytes
+
+
+def test_a_node_that_joins_lets_go_of_objects_that_group_segments(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import ray
+
+    counters = ray_store.store_counters()
+    value = PackedTensor([big(11.0), big(12.0), big(13.0)], 0)
+    ray.put(value)  # one node: the three segments go as one object
+    table = put_table.session_table()
+    assert put_table.one_node(table)
+    alive = [n for n in ray.nodes() if n.get("Alive")]
+    monkeypatch.setattr(ray, "nodes", lambda: alive * 2)  # a second node joined
+    monkeypatch.setattr(table, "nodes_checked", -float("inf"))
+    counters.reset()
+    part = ray.put(value.slice([1]))
+    # the grouped object would be pulled whole for one segment: put again, on its own
+    assert counters.put_objects == 1 and counters.put_bytes == big(0.0).nbytes
+    views = ray.get(part).packed_state(in_place=True).segments
+    where = ray.experimental.get_object_locations([s.chunk.ref for s in views])
+    # one object of about one segment, not the grouped three
+    assert [int(w["object_size"]) < 2 * big(0.0).nbytes for w in where.values()] == [True]
+    assert torch.equal(ray.get(part).as_tensor(), value.slice([1]).as_tensor())
+
+
+def _lock_in_child(conn: Any) -> None:
+    got = put_table.LOCK.acquire(timeout=10)
+    conn.send(got)
+
+
+def test_a_child_forked_while_a_thread_holds_the_table_lock_can_take_it() -> None:
+    import multiprocessing
+    import threading
+
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with put_table.LOCK:
+            held.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    held.wait(10)
+    try:
+        ctx = multiprocessing.get_context("fork")
+        parent, child = ctx.Pipe()
+        proc = ctx.Process(target=_lock_in_child, args=(child,))
+        proc.start()
+        assert parent.poll(30) and parent.recv() is True
+        proc.join(30)
+    finally:
+        release.set()
+        holder.join(30)

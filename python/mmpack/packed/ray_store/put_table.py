@@ -206,6 +206,18 @@ _TABLE = Table()
 LINGERING = Lingering()
 
 
+def _new_lock_in_child() -> None:
+    # A fork while another thread held the lock (a put, the linger timer) would leave it held
+    # forever in the child: the first tensor of the table to die there would hang.
+    global LOCK
+    LOCK = threading.RLock()
+    _TABLE.lock = LOCK
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_new_lock_in_child)
+
+
 def _session(worker: Any) -> Any:
     """What names the Ray session a process is connected to (a new ``ray.init`` after
     ``ray.shutdown`` is another one): the session's name and this connection's job."""
@@ -311,8 +323,14 @@ def one_node(table: Table) -> bool:
     if now - table.nodes_checked > NODES_TTL_S:
         import ray
 
+        was = table.one_node
         table.one_node = sum(1 for n in ray.nodes() if n.get("Alive")) <= 1
         table.nodes_checked = now
+        if was and not table.one_node:
+            # a node joined: objects that hold several segments would be pulled whole by a
+            # value that needs one of them, so their segments are put again, one object each
+            with table.lock:
+                table.shrink(0)
     return table.one_node
 
 

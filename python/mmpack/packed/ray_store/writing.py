@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import operator
 import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -91,6 +92,8 @@ def encode_segments(segments: list[Any]) -> tuple[Any, ...]:
     reused: list[tuple[int, Entry]] = []
     passed_on = 0
     table = session_table()
+    if driver:
+        one_node(table)  # a node that joined since the last look lets go of grouped objects
 
     def slot_of(ref: Any) -> int:
         k = ref_slot.get(ref)
@@ -109,11 +112,12 @@ def encode_segments(segments: list[Any]) -> tuple[Any, ...]:
             if type(t) is StoreSegment:
                 t = t.current()  # its claimed copy, once something was written into it
             if type(t) is StoreSegment:
-                if t.chunk.session == table.session:
+                if t.chunk.session == table.session and _first_view(t):
                     hit = (slot_of(t.chunk.ref), t.j)
                     passed_on += 1
                 elif driver and t.numel() * t.element_size() >= INLINE_BELOW:
-                    # an old session's chunk: its ref is useless here, its bytes are not
+                    # an old session's chunk (its ref is useless here, its bytes are not), or
+                    # a second view of one member: another tensor, sent as such
                     hit = (-3, len(fresh))
                     fresh.append((t, None))
                 else:
@@ -158,6 +162,34 @@ def encode_segments(segments: list[Any]) -> tuple[Any, ...]:
     COUNTERS.inline_segments += len(packed) + len(rest)
     others: Any = Inline(packed, rest) if packed else rest
     return (STORE_FORMAT, i64_bytes(codes_l), i64_bytes(pos), refs, others)
+
+
+class _Views(threading.local):
+    """The store views this thread's running Ray serialization wrote as references, by (chunk,
+    member); ``token`` is Ray's set of the refs that serialization contains, which Ray replaces
+    at the end of each one."""
+
+    token: Any = None
+    views: dict[tuple[int, int], Any]
+
+
+_VIEWS = _Views()
+
+
+def _first_view(t: StoreSegment) -> bool:
+    """Whether ``t`` is the first view of its chunk member that the running serialization
+    writes. Views of one member are one tensor on the receiver (values of one object that
+    shared a segment share it): two views received apart (two ``ray.get`` s of one ref, a deep
+    copy) are two tensors, so the later one is sent by its bytes."""
+    from ray._private import worker as ray_worker
+
+    local = ray_worker.global_worker.get_serialization_context()._thread_local
+    token = getattr(local, "object_refs", None)
+    if token is None:
+        token = local.object_refs = set()
+    if _VIEWS.token is not token:
+        _VIEWS.token, _VIEWS.views = token, {}
+    return _VIEWS.views.setdefault((id(t.chunk), t.j), t) is t
 
 
 def _all_inline(segments: list[Any], driver: bool) -> bool:
