@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import logging
 import re
 from typing import Any
 
@@ -324,3 +325,18 @@ def test_failure_reasons_are_shared_across_forked_workers() -> None:
     assert snap["failed"] == 7 + FAILURE_SLOTS
     stats.reset()
     assert stats.snapshot()["failed_by_reason"] == {}
+
+
+def test_failure_details_are_bounded_and_the_counts_stay_exact() -> None:
+    from mmpack.energon.stats import FAILURE_DETAILS, LoaderStats
+
+    stats = LoaderStats()
+    handler = stats.error_handler()
+    logging.getLogger("mmpack.energon").disabled = True
+    try:
+        for i in range(FAILURE_DETAILS + 50):
+            handler(ValueError(f"bad {i}"), {"__key__": f"s{i}"})
+    finally:
+        logging.getLogger("mmpack.energon").disabled = False
+    assert len(stats.failures) == FAILURE_DETAILS and stats.failures[0] == "s0: ValueError: bad 0"
+    assert stats.snapshot()["failed_by_reason"] == {"ValueError": FAILURE_DETAILS + 50}

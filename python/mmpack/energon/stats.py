@@ -42,6 +42,7 @@ from typing import Any
 
 __all__ = [
     "DROP_REASONS",
+    "FAILURE_DETAILS",
     "FAILURE_SLOTS",
     "SKIP_REASONS",
     "LoaderStats",
@@ -83,6 +84,8 @@ _INDEX = {name: i for i, name in enumerate(_FIELDS)}
 
 #: Distinct failure reasons (exception type names) counted apart, the last one "<other>".
 FAILURE_SLOTS = 32
+#: Failures kept with their sample key and message in `LoaderStats.failures`, per process.
+FAILURE_DETAILS = 1000
 _NAME_BYTES = 64  # per slot; longer type names are cut (they stay distinct in practice)
 _OTHER_FAILURE = "<other>"
 
@@ -95,7 +98,9 @@ class LoaderStats:
         self._values = ctx.Array("q", len(_FIELDS) + FAILURE_SLOTS, lock=True)
         # failure slot names, guarded by the lock of `_values` (which holds their counts)
         self._failure_names = ctx.RawArray("c", FAILURE_SLOTS * _NAME_BYTES)
-        self.failures: list[str] = []  # per-process detail (sample keys): complete with 0 workers
+        #: per-process detail (sample key, error) of the first `FAILURE_DETAILS` failures: complete
+        #: with 0 workers and few failures (the counts are always exact)
+        self.failures: list[str] = []
         # per process (each worker has its copy): how deep in re-creating restored samples
         self._restoring = 0
 
@@ -226,7 +231,8 @@ class LoaderStats:
                     self.add(built, -n)
                     if built == "packed":
                         self.add("packs", -len(sample.packs))
-                self.failures.append(f"{key}: {type(err).__name__}: {err}")
+                if len(self.failures) < FAILURE_DETAILS:  # a long run must not grow it forever
+                    self.failures.append(f"{key}: {type(err).__name__}: {err}")
                 logger.warning(
                     "sample %s failed (%d sample(s) dropped): %s: %s",
                     key,
