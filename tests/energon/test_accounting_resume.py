@@ -253,7 +253,20 @@ class FailsInEncodeBatch(PackingTaskEncoder):
         return batch
 
 
-@pytest.mark.parametrize("cls", [FailsInBatch, FailsInEncodeBatch])
+class FailsAfterSuperBatch(PackingTaskEncoder):
+    """A subclass that checks the batch it built (a validation step) and refuses it."""
+
+    victim: str
+
+    @stateless
+    def batch(self, samples: list[Any]) -> Any:
+        built = super().batch(samples)
+        if self.victim in built.sample_keys:
+            raise InjectedBatchFault(f"batch of {self.victim}")
+        return built
+
+
+@pytest.mark.parametrize("cls", [FailsInBatch, FailsInEncodeBatch, FailsAfterSuperBatch])
 @pytest.mark.parametrize("workers", [0, 2])
 def test_a_batch_that_fails_counts_its_samples_only_as_failed(
     dataset: Any, tokenizer: Any, runs: Any, workers: int, cls: type[Any]

@@ -37,7 +37,8 @@ import contextlib
 import logging
 import multiprocessing
 import time
-from collections.abc import Callable, Iterable, Iterator
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
 __all__ = [
@@ -101,6 +102,9 @@ class LoaderStats:
         #: per-process detail (sample key, error) of the first `FAILURE_DETAILS` failures: complete
         #: with 0 workers and few failures (the counts are always exact)
         self.failures: list[str] = []
+        # per process: the members of batches `batch` built and counted (as packed or padded),
+        # so that a subclass's ``batch`` that fails after ``super().batch()`` takes them back
+        self._batched: weakref.WeakValueDictionary[int, Any] = weakref.WeakValueDictionary()
         # per process (each worker has its copy): how deep in re-creating restored samples
         self._restoring = 0
 
@@ -209,6 +213,30 @@ class LoaderStats:
         dist.all_gather_object(gathered, local, group=group)
         return combine_snapshots(gathered)
 
+    def batched(self, members: Sequence[Any]) -> None:
+        """Note the members (packs, or samples without packing) of a batch just built and
+        counted."""
+        for m in members:
+            self._batched[id(m)] = m
+
+    def _built_as(self, sample: Any) -> str | None:
+        """The counter a failed object was already counted in: a built batch (an
+        ``encode_batch`` that fails after ``batch``), or the members of one (a subclass's
+        ``batch`` that fails after ``super().batch()``), count as ``packed`` or ``padded``."""
+        from mmpack.energon.samples import SftBatch, SftPack
+
+        if isinstance(sample, SftBatch):
+            return "packed" if sample.packs is not None else "padded"
+        if (
+            isinstance(sample, (list, tuple))
+            and sample
+            and all(self._batched.get(id(m)) is m for m in sample)
+        ):
+            for m in sample:
+                self._batched.pop(id(m), None)
+            return "packed" if isinstance(sample[0], SftPack) else "padded"
+        return None
+
     def error_handler(
         self, inner: Callable[[Exception, Any, Any], None] | None = None
     ) -> Callable[[Exception, Any, Any], None]:
@@ -226,11 +254,12 @@ class LoaderStats:
                 logger.debug("sample %s failed again while Energon restores: %s", key, err)
             else:
                 self.fail(type(err).__name__, n)
-                built = _built_as(sample)
+                built = self._built_as(sample)
                 if built is not None:
                     self.add(built, -n)
                     if built == "packed":
-                        self.add("packs", -len(sample.packs))
+                        packs = sample.packs if hasattr(sample, "packs") else sample
+                        self.add("packs", -len(packs))
                 if len(self.failures) < FAILURE_DETAILS:  # a long run must not grow it forever
                     self.failures.append(f"{key}: {type(err).__name__}: {err}")
                 logger.warning(
@@ -306,16 +335,6 @@ def _describe(sample: Any) -> str:
     if isinstance(sample, dict):
         return str(sample.get("__key__", "?"))
     return str(getattr(sample, "__key__", type(sample).__name__))
-
-
-def _built_as(sample: Any) -> str | None:
-    """The counter a failed object was already counted in: a built batch (an ``encode_batch``
-    that fails after ``batch``) counts its samples as ``packed`` or ``padded``."""
-    from mmpack.energon.samples import SftBatch
-
-    if isinstance(sample, SftBatch):
-        return "packed" if sample.packs is not None else "padded"
-    return None
 
 
 def _replaying() -> bool:

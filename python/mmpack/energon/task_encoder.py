@@ -376,8 +376,10 @@ class PackingTaskEncoder(
             batch = SftBatch.of_packs(samples)
             self.stats.add("packed", len(batch.sample_keys))
             self.stats.add("packs", len(samples))
+            self.stats.batched(samples)
             return batch
         with self.stats.timed("build_ns"):
             padded = self.build_padded(samples)
         self.stats.add("padded", len(samples))
+        self.stats.batched(samples)
         return SftBatch.of_padded(samples, padded)
