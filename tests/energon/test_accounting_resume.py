@@ -518,6 +518,17 @@ def test_resuming_with_a_smaller_capacity_names_the_checkpoint(
     assert "pack_length must be" not in message and "check_policy must" not in message
 
 
+def test_resuming_in_another_mask_mode_names_the_checkpoint(
+    dataset: Any, tokenizer: Any, runs: Any
+) -> None:
+    # the fragments format marks trainable spans that roles would not: precomputed masks only
+    roles = savable(dataset, make_encoder(tokenizer, loss_mask_mode=None), 0)
+    restore_loader_state(roles, runs[0].states[3])
+    with pytest.raises(EnergonConfigError, match=r"loader checkpoint being restored") as info:
+        list(roles)
+    assert "SampleFormatError" in str(info.value) and "restore with the config" in str(info.value)
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_restore_batch_rebuilds_a_delivered_batch(
     dataset: Any, tokenizer: Any, workers: int

@@ -38,9 +38,10 @@ from typing import Any
 from megatron.energon import WorkerConfig
 
 from mmpack.energon.stats import LoaderStats, counting_handler
-from mmpack.errors import EnergonConfigError
+from mmpack.errors import EnergonConfigError, EnergonDataError
 
 __all__ = [
+    "checked_on_restore",
     "counting_failures",
     "loader_state_workers",
     "make_worker_config",
@@ -233,3 +234,16 @@ def refused_on_restore(sample: Any, reason: str, detail: str, *, capacity: int) 
         f"with (capacity={capacity} here; capacity, padding and the policy "
         "settings must match)"
     )
+
+
+@contextlib.contextmanager
+def checked_on_restore(stats: LoaderStats, sample: Any, *, capacity: int) -> Iterator[None]:
+    """A data error raised while Energon re-creates `sample` from a loader checkpoint as the
+    config mismatch it is (`refused_on_restore`): the sample passed the encoder that saved the
+    checkpoint (another loss-mask mode, template or policy)."""
+    try:
+        yield
+    except EnergonDataError as err:
+        if not stats.is_restoring:
+            raise
+        raise refused_on_restore(sample, type(err).__name__, str(err), capacity=capacity) from err

@@ -56,7 +56,7 @@ from mmpack.energon.conversation_encoder import (
 )
 from mmpack.energon.cookers import default_cookers
 from mmpack.energon.decoders import BuiltinDecoder, MediaDecoder, PackMedia
-from mmpack.energon.loader import refused_on_restore
+from mmpack.energon.loader import checked_on_restore, refused_on_restore
 from mmpack.energon.markup import tokenize
 from mmpack.energon.packing_checks import (
     check_buffer_lengths,
@@ -297,14 +297,15 @@ class PackingTaskEncoder(
     # be `mmpack.energon.policy.seeded` (not free: about 1 ms per sample in a CPU worker).
     @stateless
     def preencode_sample(self, sample: Conversation) -> EncodedConversation:
-        self.check_conversation(sample)
-        encoded = self.encode_conversation(sample)
-        if self._override_encodes or type(self.conversation_encoder) not in BUILTIN_ENCODERS:
-            encoded = encoded.revalidated(
-                self.config.train_roles,
-                precomputed=self.config.loss_mask_mode == "precomputed",
-            )
-        self.check_policy(sample, encoded)
+        with checked_on_restore(self.stats, sample, capacity=self.config.capacity):
+            self.check_conversation(sample)
+            encoded = self.encode_conversation(sample)
+            if self._override_encodes or type(self.conversation_encoder) not in BUILTIN_ENCODERS:
+                encoded = encoded.revalidated(
+                    self.config.train_roles,
+                    precomputed=self.config.loss_mask_mode == "precomputed",
+                )
+            self.check_policy(sample, encoded)
         self._skip_guard.passed()
         self.stats.add("encoded")
         if self.stats.is_restoring:
