@@ -518,6 +518,20 @@ def test_resuming_with_a_smaller_capacity_names_the_checkpoint(
     assert "pack_length must be" not in message and "check_policy must" not in message
 
 
+@pytest.mark.parametrize("workers", [0, 2])
+def test_a_loader_already_iterated_is_not_restored_into(
+    dataset: Any, tokenizer: Any, runs: Any, workers: int
+) -> None:
+    loader = savable(dataset, make_encoder(tokenizer), workers)
+    it = iter(loader)
+    next(it)
+    with pytest.raises(EnergonConfigError, match="has not been iterated yet"):
+        restore_loader_state(loader, runs[workers].states[3])
+    fresh = savable(dataset, make_encoder(tokenizer), workers)
+    restore_loader_state(fresh, runs[workers].states[3])  # what to do instead
+    assert keys(list(fresh)) == runs[workers].batches[3:]
+
+
 def test_resuming_in_another_mask_mode_names_the_checkpoint(
     dataset: Any, tokenizer: Any, runs: Any
 ) -> None:

@@ -175,6 +175,14 @@ def restore_loader_state(loader: Any, state: Any) -> None:
 
     Energon takes the state's buffers over and edits them as it iterates; it gets a copy, so
     `state` can be restored again."""
+    # Energon's own flags: workers started, or batches delivered (each iter() without workers)
+    if getattr(loader, "_has_workers", False) or getattr(loader, "_sample_idx", 0) > 0:
+        # Energon asserts with workers running, and without workers restores under the live
+        # iterator, which then yields neither stream's batches
+        raise EnergonConfigError(
+            "restore_loader_state needs a loader that has not been iterated yet: build a new "
+            "loader (get_savable_loader) and restore the checkpoint into it before iter()"
+        )
     if state is None:
         loader.restore_state_rank(None)
         return
