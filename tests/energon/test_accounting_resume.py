@@ -532,6 +532,14 @@ def test_a_loader_already_iterated_is_not_restored_into(
     assert keys(list(fresh)) == runs[workers].batches[3:]
 
 
+def test_resuming_with_another_batch_size_without_workers_names_it(
+    dataset: Any, tokenizer: Any, runs: Any
+) -> None:
+    other = savable(dataset, make_encoder(tokenizer, batch_size=BATCH + 1), 0)
+    with pytest.raises(EnergonConfigError, match=rf"saved with batch_size={BATCH}, .*"):
+        restore_loader_state(other, runs[0].states[3])
+
+
 def test_resuming_in_another_mask_mode_names_the_checkpoint(
     dataset: Any, tokenizer: Any, runs: Any
 ) -> None:

@@ -194,6 +194,14 @@ def restore_loader_state(loader: Any, state: Any) -> None:
             f"num_workers={current}; Energon checkpoints hold one state per worker and can only "
             f"be restored with the same worker count (use num_workers={saved})"
         )
+    saved_batch = getattr(state, "micro_batch_size", None)
+    batch = loader._get_batch_size() if hasattr(loader, "_get_batch_size") else None
+    if current == 0 and None not in (saved_batch, batch) and saved_batch != batch:
+        raise EnergonConfigError(  # Energon only asserts
+            f"the loader checkpoint was saved with batch_size={saved_batch}, but this loader has "
+            f"batch_size={batch}; without workers Energon restores only the same batch size "
+            f"(use batch_size={saved_batch})"
+        )
     loader.restore_state_rank(copy.deepcopy(state))
 
 
