@@ -443,3 +443,16 @@ def test_a_child_forked_while_a_thread_holds_the_table_lock_can_take_it() -> Non
     finally:
         release.set()
         holder.join(30)
+
+
+def test_a_value_sent_on_does_not_keep_its_chunk_once_it_is_gone() -> None:
+    import ray
+
+    received = ray.get(ray.put(PackedTensor([big(21.0)], 0)))  # its tensor died: not held
+    (view,) = received.packed_state(in_place=True).segments
+    chunk_hex = view.chunk.ref.hex()
+    del view
+    ray.get(ray.put(received))  # sent on: the chunk by reference
+    del received
+    gc.collect()
+    assert wait_for(lambda: not referenced(chunk_hex))

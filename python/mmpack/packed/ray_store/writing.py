@@ -10,6 +10,7 @@ from __future__ import annotations
 import operator
 import os
 import threading
+import weakref
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -166,11 +167,13 @@ def encode_segments(segments: list[Any]) -> tuple[Any, ...]:
 
 class _Views(threading.local):
     """The store views this thread's running Ray serialization wrote as references, by (chunk,
-    member); ``token`` is Ray's set of the refs that serialization contains, which Ray replaces
-    at the end of each one."""
+    member); ``token`` is the id of Ray's set of the refs that serialization contains, which
+    Ray replaces at the end of each one. Nothing here holds a view or that set (it holds the
+    refs): the last serialization must not keep its chunks in the store. A reused id can only
+    make a later view go by its bytes, never share what it should not."""
 
-    token: Any = None
-    views: dict[tuple[int, int], Any]
+    token = -1
+    views: dict[tuple[int, int], weakref.ref[StoreSegment]]
 
 
 _VIEWS = _Views()
@@ -187,9 +190,14 @@ def _first_view(t: StoreSegment) -> bool:
     token = getattr(local, "object_refs", None)
     if token is None:
         token = local.object_refs = set()
-    if _VIEWS.token is not token:
-        _VIEWS.token, _VIEWS.views = token, {}
-    return _VIEWS.views.setdefault((id(t.chunk), t.j), t) is t
+    if _VIEWS.token != id(token):
+        _VIEWS.token, _VIEWS.views = id(token), {}
+    first = _VIEWS.views.get((id(t.chunk), t.j))
+    seen = None if first is None else first()
+    if seen is None:  # none yet (or a dead one: its chunk's id may be another chunk's now)
+        _VIEWS.views[(id(t.chunk), t.j)] = weakref.ref(t)
+        return True
+    return seen is t
 
 
 def _all_inline(segments: list[Any], driver: bool) -> bool:
